@@ -1,0 +1,12 @@
+"""repaudit: does this model, on this engine, give the same numbers when the deployment changes?
+
+The Python API: write and read token records, diff two of them in memory.
+"""
+
+from .diff import DiffResult, Thresholds, diff_records
+from .errors import InputError
+from .records import RecordMeta, load_frame, read_meta, write_record
+
+__version__ = "0.1.0"
+
+__all__ = ["DiffResult", "InputError", "RecordMeta", "Thresholds", "diff_records", "load_frame", "read_meta", "write_record"]

@@ -1,0 +1,155 @@
+"""The `repaudit` command line: argument parsing and exit codes, nothing else."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from . import commands
+from .diff import Thresholds
+from .errors import InputError
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    help="Audit the numerical reproducibility of LLM inference, bit by bit.",
+)
+
+
+@app.callback()
+def _root() -> None:
+    """Audit the numerical reproducibility of LLM inference, bit by bit."""
+
+
+@app.command()
+def diff(
+    a: Path = typer.Argument(..., help="first record (.parquet)"),
+    b: Path = typer.Argument(..., help="second record (.parquet)"),
+    max_ulp: Optional[int] = typer.Option(None, "--max-ulp", min=0, help="pass if every logprob is within N ULP"),
+    max_abs: Optional[float] = typer.Option(None, "--max-abs", min=0.0, help="pass if every |Δ logprob| <= X"),
+    max_seq_divergence: float = typer.Option(0.0, "--max-seq-divergence", min=0.0, max=1.0,
+                                             help="fraction of sequences whose tokens may differ"),
+    allow_partial: bool = typer.Option(False, "--allow-partial", help="compare only the prompts both records share"),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="write the full result as JSON"),
+    markdown_out: Optional[Path] = typer.Option(None, "--markdown", help="write a Markdown report"),
+) -> None:
+    """Compare two records bit by bit. Exit 0 within thresholds (default: identical), 1 beyond, 2 bad input."""
+    th = Thresholds(max_ulp=max_ulp, max_abs=max_abs, max_seq_divergence=max_seq_divergence)
+    raise typer.Exit(commands.diff(a, b, thresholds=th, allow_partial=allow_partial,
+                                   json_path=json_out, markdown_path=markdown_out))
+
+
+def _csv(text: str, flag: str, cast=str) -> tuple:
+    items = [x.strip() for x in text.split(",") if x.strip()]
+    try:
+        return tuple(cast(x) for x in items)
+    except ValueError:
+        raise InputError(f"{flag} {text!r}: expected a comma-separated list of {cast.__name__} values") from None
+
+
+@app.command()
+def run(
+    model: str = typer.Option("builtin:tiny-qwen3", "--model", help="Hugging Face id, local path, or builtin:NAME"),
+    engine: str = typer.Option("hf", "--engine", help="engines, comma-separated: hf, vllm"),
+    tp: str = typer.Option("1,2", "--tp", help="tensor-parallel sizes, e.g. 1,2,4,8"),
+    batch_size: str = typer.Option("1,4", "--batch-size", help="batch sizes, e.g. 1,8,32"),
+    nccl: str = typer.Option("default", "--nccl", help="NCCL presets: default, ring, tree, deterministic, or --nccl-set names"),
+    nccl_set: list[str] = typer.Option([], "--nccl-set", help="define a preset: NAME:NCCL_VAR=VALUE[,NCCL_VAR=VALUE]"),
+    kernels: str = typer.Option("stock", "--kernels", help="kernel modes: stock, bi, tbik"),
+    mode: str = typer.Option("generate,score", "--mode", help="generate (greedy) and/or score (teacher forcing)"),
+    probes: str = typer.Option("smoke", "--probes", help="probe suite name (smoke, default, chat) or path to a .jsonl"),
+    max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", help="override every prompt's generation length"),
+    dtype: str = typer.Option("auto", "--dtype", help="auto (fp32 on CPU, bf16 on GPU), float32, bfloat16, float16"),
+    device: str = typer.Option("auto", "--device", help="auto, cpu or cuda"),
+    topk: int = typer.Option(5, "--topk", help="top-k logprobs to record per position (0 = off)"),
+    out: Path = typer.Option(Path("reports/run"), "--out", help="run directory"),
+    baseline: Optional[str] = typer.Option(None, "--baseline", help="baseline cell id (default: the first cell)"),
+    reference_per: str = typer.Option("kernels,mode", "--reference-per",
+                                      help="dimensions a cell keeps when picking its reference from the baseline"),
+    timeout: float = typer.Option(3600.0, "--timeout", help="seconds a cell may run before its job is ended"),
+    load_timeout: float = typer.Option(1800.0, "--load-timeout", help="seconds a model load may take"),
+    cpu_threads: int = typer.Option(1, "--cpu-threads", help="intra-op threads per rank on CPU (fixed: thread count changes bits)"),
+    trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="allow model code from the Hub"),
+    nnodes: int = typer.Option(1, "--nnodes", help="nodes in the job (same command on every node)"),
+    node_rank: int = typer.Option(0, "--node-rank", help="this node's rank"),
+    rdzv_endpoint: Optional[str] = typer.Option(None, "--rdzv-endpoint", help="host:port of node 0 (several nodes)"),
+    gate: bool = typer.Option(False, "--gate", help="exit 1 if any cell diverges from its reference"),
+    max_ulp: Optional[int] = typer.Option(None, "--max-ulp", min=0, help="with --gate: tolerated ULP distance"),
+    max_abs: Optional[float] = typer.Option(None, "--max-abs", min=0.0, help="with --gate: tolerated |Δ logprob|"),
+) -> None:
+    """Run the audit matrix and compare every cell with its reference."""
+    import sys as _sys
+
+    from . import nccl as nccl_presets
+    from .launch import Rendezvous
+    from .plan import Matrix
+    from .run import RunOptions
+
+    custom = dict(nccl_presets.parse_custom(s) for s in nccl_set)
+    names = list(_csv(nccl, "--nccl"))
+    names += [n for n in custom if n not in names]
+    if device == "auto":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if dtype == "auto":
+        dtype = "float32" if device == "cpu" else "bfloat16"
+    if nnodes < 1 or not 0 <= node_rank < nnodes:
+        raise InputError(f"--node-rank {node_rank} must be in [0, --nnodes {nnodes})")
+    if nnodes > 1 and not rdzv_endpoint:
+        raise InputError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (node 0's address)")
+    if cpu_threads < 1:
+        raise InputError("--cpu-threads must be at least 1")
+    tps = _csv(tp, "--tp", int)
+    if nnodes > 1 and any(t % nnodes for t in tps):
+        raise InputError(f"--tp {tp}: every TP size must be a multiple of --nnodes {nnodes}")
+    matrix = Matrix(
+        model=model, engines=_csv(engine, "--engine"), tps=tps, batch_sizes=_csv(batch_size, "--batch-size", int),
+        nccl=nccl_presets.resolve(names, custom), kernels=_csv(kernels, "--kernels"), modes=_csv(mode, "--mode"),
+        dtype=dtype, device=device, probes=probes, max_new_tokens=max_new_tokens, topk=topk, baseline=baseline,
+        reference_per=_csv(reference_per, "--reference-per"),
+    )
+    opts = RunOptions(
+        out=out, cell_timeout=timeout, load_timeout=load_timeout, cpu_threads=cpu_threads,
+        trust_remote_code=trust_remote_code, gate=gate, argv=["repaudit"] + _sys.argv[1:],
+        rdzv=Rendezvous(nnodes=nnodes, node_rank=node_rank, endpoint=rdzv_endpoint, run_id=out.name),
+        thresholds=Thresholds(max_ulp=max_ulp, max_abs=max_abs),
+    )
+    raise typer.Exit(commands.run(matrix, opts))
+
+
+def _fail(message: str) -> int:
+    print(f"repaudit: error: {message}", file=sys.stderr)
+    return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point. Every bad input ends as one line on stderr and exit code 2."""
+    try:
+        result = app(args=argv, standalone_mode=False)
+    except InputError as exc:
+        return _fail(str(exc))
+    except typer.Exit as exc:
+        return exc.exit_code
+    except (typer.Abort, KeyboardInterrupt):
+        return _fail("interrupted")
+    except PermissionError as exc:
+        return _fail(f"permission denied: {exc.filename or exc}")
+    except OSError as exc:
+        return _fail(f"{exc.strerror or exc}: {exc.filename or ''}".rstrip(": "))
+    except Exception as exc:
+        if not hasattr(exc, "format_message"):  # not a usage error (click's or typer's): a real bug
+            raise
+        if type(exc).__name__ == "NoArgsIsHelpError":
+            print(exc.format_message(), file=sys.stderr)
+            return 2
+        return _fail(" ".join(exc.format_message().split()))
+    return result if isinstance(result, int) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,63 @@
+"""What every engine takes and yields: sequences in, per-token rows out. Engines never write files."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Sequence:
+    prompt_id: str
+    prompt: tuple[int, ...]  # token ids
+    completion: tuple[int, ...] | None  # reference completion for score mode
+    max_new_tokens: int
+
+
+@dataclass
+class TokenRows:
+    """Rows of one prompt, positions ascending. logprob and topk_logprobs are float32."""
+
+    prompt_id: str
+    prompt_len: int
+    pos: np.ndarray
+    token_id: np.ndarray
+    logprob: np.ndarray
+    top1: np.ndarray
+    topk_ids: np.ndarray  # [n, k]
+    topk_logprobs: np.ndarray  # [n, k]
+    digest: np.ndarray | None  # uint64, or None when the engine cannot see the full logits row
+    phase: np.ndarray = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.phase = np.where(self.pos < self.prompt_len, "prompt", "completion").astype(object)
+
+    @property
+    def completion_tokens(self) -> tuple[int, ...]:
+        return tuple(int(t) for t in self.token_id[self.pos >= self.prompt_len])
+
+
+@dataclass
+class Timing:
+    """Engine time only (forward passes and logits), never repaudit's own bookkeeping."""
+
+    prefill_s: float = 0.0
+    prefill_tokens: int = 0
+    decode_s: float = 0.0
+    decode_tokens: int = 0
+
+    def add(self, other: "Timing") -> None:
+        self.prefill_s += other.prefill_s
+        self.prefill_tokens += other.prefill_tokens
+        self.decode_s += other.decode_s
+        self.decode_tokens += other.decode_tokens
+
+    def as_dict(self) -> dict[str, float | int | None]:
+        rate = lambda n, s: n / s if s > 0 else None  # noqa: E731
+        return {
+            "prefill_s": self.prefill_s, "prefill_tokens": self.prefill_tokens,
+            "prefill_tokens_per_s": rate(self.prefill_tokens, self.prefill_s),
+            "decode_s": self.decode_s, "decode_tokens": self.decode_tokens,
+            "decode_tokens_per_s": rate(self.decode_tokens, self.decode_s),
+        }

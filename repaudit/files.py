@@ -1,0 +1,32 @@
+"""Atomic file writes: a file is either complete or absent."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+
+def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> Path:
+    path = Path(path)
+    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path
+
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
+    return write_bytes_atomic(path, text.encode())
+
+
+def write_json_atomic(path: str | os.PathLike, value: Any) -> Path:
+    # allow_nan=False: a NaN metric must be a category, never a non-JSON token
+    return write_text_atomic(path, json.dumps(value, indent=2, sort_keys=False, allow_nan=False) + "\n")

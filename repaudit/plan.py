@@ -1,0 +1,210 @@
+"""The audit matrix: expand it into cells and launch groups, and refuse a bad one up front.
+
+A cell is one point of the matrix; a launch group is the cells that share one distributed
+job (same engine, model, TP size and NCCL environment). Inside a group, generate cells run
+before score cells (score mode may need the greedy references) and batch sizes ascend, so
+an out-of-memory failure at the largest batch size comes last.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+from .errors import InputError
+
+ENGINES = ("hf", "vllm")
+KERNELS = ("stock", "bi", "tbik")
+MODES = ("generate", "score")
+DTYPES = ("float32", "bfloat16", "float16")
+REFERENCE_DIMENSIONS = ("engine", "tp", "batch_size", "nccl", "kernels", "mode")
+TBIK_MAX_TP = 8  # tbik.NUM_CHUNKS: the tree has 8 leaves
+
+
+@dataclass(frozen=True, order=True)
+class Cell:
+    engine: str
+    tp: int
+    batch_size: int
+    nccl: str
+    kernels: str
+    mode: str
+
+    @property
+    def id(self) -> str:
+        return f"{self.engine}-tp{self.tp}-bs{self.batch_size}-{self.nccl}-{self.kernels}-{self.mode}"
+
+    @property
+    def group_key(self) -> tuple[str, int, str]:
+        return (self.engine, self.tp, self.nccl)
+
+
+@dataclass(frozen=True)
+class Matrix:
+    """What the user asked for, already parsed into values."""
+
+    model: str
+    engines: tuple[str, ...] = ("hf",)
+    tps: tuple[int, ...] = (1, 2)
+    batch_sizes: tuple[int, ...] = (1, 4)
+    nccl: dict[str, dict[str, str]] = field(default_factory=lambda: {"default": {}})
+    kernels: tuple[str, ...] = ("stock",)
+    modes: tuple[str, ...] = ("generate", "score")
+    dtype: str = "auto"
+    device: str = "cpu"
+    probes: str = "smoke"
+    max_new_tokens: int | None = None
+    topk: int = 5
+    baseline: str | None = None
+    reference_per: tuple[str, ...] = ("kernels", "mode")
+
+    def settings(self) -> dict[str, Any]:
+        """Run-wide settings a completed cell must share to be reused on resume."""
+        out = asdict(self)
+        for key in ("engines", "tps", "batch_sizes", "kernels", "modes", "baseline", "reference_per"):
+            out.pop(key)
+        return out
+
+
+@dataclass(frozen=True)
+class LaunchGroup:
+    engine: str
+    tp: int
+    nccl: str
+    nccl_env: dict[str, str]
+    cells: tuple[Cell, ...]
+
+    @property
+    def id(self) -> str:
+        return f"{self.engine}-tp{self.tp}-{self.nccl}"
+
+
+@dataclass(frozen=True)
+class Plan:
+    matrix: Matrix
+    cells: tuple[Cell, ...]
+    groups: tuple[LaunchGroup, ...]
+    baseline: Cell
+    notes: tuple[str, ...] = ()
+
+    def cell(self, cell_id: str) -> Cell:
+        for c in self.cells:
+            if c.id == cell_id:
+                return c
+        raise KeyError(cell_id)
+
+    @property
+    def reference_source(self) -> Cell:
+        """The greedy generation that score cells use as their reference completion."""
+        return replace(self.baseline, mode="generate")
+
+    def reference_for(self, cell: Cell) -> Cell:
+        """The cell this one is compared with: the baseline, with the dimensions named in
+        `reference_per` taken from the cell itself (by default its kernels and mode)."""
+        return replace(self.baseline, **{d: getattr(cell, d) for d in self.matrix.reference_per})
+
+
+def _parse_baseline(text: str, cells: tuple[Cell, ...]) -> Cell:
+    by_id = {c.id: c for c in cells}
+    if text in by_id:
+        return by_id[text]
+    # A baseline may omit the mode: "hf-tp1-bs1-default-stock".
+    for c in cells:
+        if c.id.rsplit("-", 1)[0] == text:
+            return c
+    examples = ", ".join(sorted({c.id for c in cells})[:4])
+    raise InputError(f"baseline {text!r} is not a cell of the matrix (cells look like: {examples}, ...)")
+
+
+def expand(m: Matrix) -> Plan:
+    """Matrix -> cells and launch groups. Validates everything that needs no model."""
+    for name, values in (("--engine", m.engines), ("--tp", m.tps), ("--batch-size", m.batch_sizes),
+                         ("--nccl", tuple(m.nccl)), ("--kernels", m.kernels), ("--mode", m.modes)):
+        if not values:
+            raise InputError(f"{name} is empty: the matrix has no cells")
+        if len(set(values)) != len(values):
+            raise InputError(f"{name} lists a value twice: {', '.join(map(str, values))}")
+    _check_in("--engine", m.engines, ENGINES)
+    _check_in("--kernels", m.kernels, KERNELS)
+    _check_in("--mode", m.modes, MODES)
+    if m.dtype not in DTYPES + ("auto",):
+        raise InputError(f"--dtype {m.dtype!r}: expected one of auto, {', '.join(DTYPES)}")
+    if m.device not in ("cpu", "cuda"):
+        raise InputError(f"--device {m.device!r}: expected cpu or cuda")
+    for tp in m.tps:
+        if tp < 1:
+            raise InputError(f"--tp {tp}: TP sizes are positive integers")
+        if "tbik" in m.kernels and (tp & (tp - 1) or tp > TBIK_MAX_TP):
+            raise InputError(f"--kernels tbik needs TP sizes that are powers of two up to {TBIK_MAX_TP}, got {tp}")
+    for bs in m.batch_sizes:
+        if bs < 1:
+            raise InputError(f"--batch-size {bs}: batch sizes are positive integers")
+    if m.max_new_tokens is not None and m.max_new_tokens < 1:
+        raise InputError("--max-new-tokens must be at least 1")
+    if m.topk < 0:
+        raise InputError("--topk must be 0 (off) or more")
+    bad_per = set(m.reference_per) - set(REFERENCE_DIMENSIONS)
+    if bad_per:
+        raise InputError(f"--reference-per {sorted(bad_per)}: expected names among {', '.join(REFERENCE_DIMENSIONS)}")
+
+    notes = []
+    cells = []
+    for engine in m.engines:
+        for tp in sorted(m.tps):
+            # NCCL variables change nothing where there is no NCCL communication.
+            presets = list(m.nccl)
+            if (tp == 1 or m.device == "cpu") and len(presets) > 1:
+                why = "TP=1 runs no collective" if tp == 1 else "the CPU backend is gloo"
+                notes.append(f"{engine} tp{tp}: NCCL presets {', '.join(presets[1:])} skipped ({why}); running {presets[0]!r}")
+                presets = presets[:1]
+            for nccl in presets:
+                for kernels in m.kernels:
+                    for mode in sorted(m.modes, key=MODES.index):
+                        for bs in sorted(m.batch_sizes):
+                            cells.append(Cell(engine, tp, bs, nccl, kernels, mode))
+    cells_t = tuple(cells)
+    baseline = _parse_baseline(m.baseline, cells_t) if m.baseline else cells_t[0]
+
+    groups: dict[tuple, list[Cell]] = {}
+    for c in cells_t:
+        groups.setdefault(c.group_key, []).append(c)
+    ordered = sorted(groups.items(), key=lambda kv: kv[0] != baseline.group_key)  # baseline's group first
+    launch = tuple(
+        LaunchGroup(engine=k[0], tp=k[1], nccl=k[2], nccl_env=m.nccl[k[2]],
+                    cells=tuple(sorted(v, key=lambda c: (MODES.index(c.mode), c.batch_size, m.kernels.index(c.kernels)))))
+        for k, v in ordered
+    )
+    return Plan(matrix=m, cells=cells_t, groups=launch, baseline=baseline, notes=tuple(notes))
+
+
+def _check_in(flag: str, values: tuple[str, ...], allowed: tuple[str, ...]) -> None:
+    for v in values:
+        if v not in allowed:
+            raise InputError(f"{flag} {v!r}: expected one of {', '.join(allowed)}")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What TP validation needs from a model's config."""
+
+    model_type: str
+    num_attention_heads: int
+    num_key_value_heads: int
+    intermediate_size: int
+    vocab_size: int
+    tp_styles: dict[str, str]
+
+
+def validate_against_model(plan: Plan, shape: ModelShape, visible_devices: int | None, nnodes: int = 1) -> None:
+    """Checks that need the model's config and the machine: fail in a second, not after an hour."""
+    for tp in sorted({c.tp for c in plan.cells}):
+        for what, n in (("attention heads", shape.num_attention_heads), ("key/value heads", shape.num_key_value_heads),
+                        ("MLP width (intermediate_size)", shape.intermediate_size)):
+            if n % tp:
+                raise InputError(f"--tp {tp} does not divide the model's {n} {what}")
+        if "hf" in plan.matrix.engines and shape.vocab_size % tp and any("gather_output" in s for s in shape.tp_styles.values()):
+            raise InputError(f"--tp {tp} does not divide the vocabulary ({shape.vocab_size}), which the lm_head shards")
+        if visible_devices is not None and tp > visible_devices * nnodes:
+            raise InputError(f"--tp {tp} needs {tp} GPUs but {visible_devices * nnodes} are visible")
+        if tp > 1 and not shape.tp_styles:
+            raise InputError(f"model type {shape.model_type!r} has no tensor-parallel plan in transformers; use --tp 1")

@@ -1,0 +1,132 @@
+"""Human-readable views of a diff: a rich table for the terminal and a Markdown page.
+
+Rates are truncated, never rounded up: 100% means every row, and 99.99% means not all.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from .diff import DiffResult
+
+
+def pct(num: int, den: int) -> str:
+    if den == 0:
+        return "n/a"
+    if num == den:
+        return "100%"
+    return f"{math.floor(10000 * num / den) / 100:.2f}%"
+
+
+def num(x: Any) -> str:
+    """Exact float text (shortest repr that round-trips), ints as ints."""
+    return repr(float(x)) if isinstance(x, float) else str(x)
+
+
+def metric_rows(r: DiffResult) -> list[tuple[str, str]]:
+    shared = r.shared_prompts
+    seq_tok = sum(p.token_match for p in shared)
+    seq_bit = sum(p.bitwise_match for p in shared)
+    rows = [
+        ("rows (A / B / matched)", f"{r.rows_a} / {r.rows_b} / {r.matched}"),
+        ("compared logprobs", f"{r.comparable}" + (f" ({r.after_divergence} after token divergence not compared)" if r.after_divergence else "")),
+        ("bitwise-equal logprobs", f"{r.bitwise_equal}/{r.comparable} ({pct(r.bitwise_equal, r.comparable)})"),
+        ("equal row digests", f"{r.digest_equal}/{r.digest_compared} ({pct(r.digest_equal, r.digest_compared)})" if r.digest_compared else "n/a (no digests)"),
+        ("ULP max / mean / p50 / p99", f"{r.ulp_max} / {r.ulp_mean:.6g} / {r.ulp_p50} / {r.ulp_p99}"),
+        ("|Δ logprob| max / mean", f"{num(r.abs_max)} / {num(r.abs_mean)}"),
+        ("max |Δ prob|", num(r.prob_max)),
+        ("NaN vs number / NaN payload differs", f"{r.nan_vs_number} / {r.nan_payload_differs}"),
+        ("top-1 agreement", f"{r.top1_equal}/{r.top1_compared} ({pct(r.top1_equal, r.top1_compared)})" if r.top1_compared else "n/a (no top-k)"),
+        ("sequences token-identical", f"{seq_tok}/{len(shared)} ({pct(seq_tok, len(shared))})"),
+        ("sequences bitwise-identical", f"{seq_bit}/{len(shared)} ({pct(seq_bit, len(shared))})"),
+    ]
+    if r.unmatched_a or r.unmatched_b:
+        rows.append(("rows on one side only (A / B)", f"{r.unmatched_a} / {r.unmatched_b}"))
+    only_a = [p.prompt_id for p in r.prompts if not p.in_b]
+    only_b = [p.prompt_id for p in r.prompts if not p.in_a]
+    if only_a or only_b:
+        rows.append(("prompts left out (only A / only B)", f"{len(only_a)} / {len(only_b)}"))
+    return rows
+
+
+def divergent_prompts(r: DiffResult, limit: int | None = 10) -> list[dict[str, Any]]:
+    out = []
+    for p in r.shared_prompts:
+        if p.bitwise_match:
+            continue
+        out.append({
+            "prompt": p.prompt_id,
+            "first token divergence": "—" if p.first_token_divergence is None else p.first_token_divergence,
+            "first logprob divergence": "—" if p.first_logprob_divergence is None else p.first_logprob_divergence,
+            "bitwise-equal": f"{p.bitwise_equal}/{p.comparable}",
+            "max ULP": p.max_ulp,
+        })
+    out.sort(key=lambda d: (d["first logprob divergence"] if d["first logprob divergence"] != "—" else 1 << 62))
+    return out if limit is None else out[:limit]
+
+
+def verdict_line(r: DiffResult) -> str:
+    if r.passed:
+        return "IDENTICAL" if r.identical else "WITHIN THRESHOLDS"
+    return "DIVERGENT: " + "; ".join(r.reasons)
+
+
+def print_diff(r: DiffResult, console: Console | None = None) -> None:
+    console = console or Console()
+    title = f"{r.a.label}  vs  {r.b.label}"
+    table = Table(title=title, show_header=True, header_style="bold")
+    table.add_column("metric")
+    table.add_column("value", overflow="fold")
+    for name, value in metric_rows(r):
+        table.add_row(name, value)
+    console.print(table)
+    if r.cell_differences:
+        console.print("cell settings that differ: " + ", ".join(f"{k} {a} → {b}" for k, a, b in r.cell_differences))
+    if r.env_differences:
+        console.print("[yellow]environment differs:[/] " + ", ".join(f"{k} {a} → {b}" for k, a, b in r.env_differences))
+    if r.refusals:
+        console.print("[yellow]compared partially:[/] " + "; ".join(r.refusals))
+    rows = divergent_prompts(r)
+    if rows:
+        t = Table(title="first divergences (earliest first)", header_style="bold")
+        for col in rows[0]:
+            t.add_column(col)
+        for row in rows:
+            t.add_row(*(str(v) for v in row.values()))
+        console.print(t)
+    style = "bold green" if r.passed else "bold red"
+    console.print(f"[{style}]{verdict_line(r)}[/]")
+
+
+def _md_table(header: list[str], rows: list[list[Any]]) -> str:
+    esc = lambda v: str(v).replace("|", "\\|")  # noqa: E731
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(esc(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def diff_markdown(r: DiffResult) -> str:
+    parts = [
+        f"# repaudit diff: `{r.a.cell_id}` vs `{r.b.cell_id}`",
+        "",
+        f"**Verdict: {verdict_line(r)}**",
+        "",
+        f"- A: `{r.a.label}`",
+        f"- B: `{r.b.label}`",
+        "",
+        _md_table(["metric", "value"], [list(x) for x in metric_rows(r)]),
+    ]
+    if r.cell_differences:
+        parts += ["", "## Cell settings that differ", "", _md_table(["setting", "A", "B"], [list(d) for d in r.cell_differences])]
+    if r.env_differences:
+        parts += ["", "## Environment differences", "", _md_table(["field", "A", "B"], [list(d) for d in r.env_differences])]
+    if r.refusals:
+        parts += ["", "## Compared partially", ""] + [f"- {x}" for x in r.refusals]
+    rows = divergent_prompts(r, limit=None)
+    if rows:
+        parts += ["", "## Divergent prompts", "", _md_table(list(rows[0]), [list(x.values()) for x in rows])]
+    return "\n".join(parts) + "\n"

@@ -1,0 +1,372 @@
+"""`repaudit run`: validate the matrix, launch each group, keep the manifest, summarise.
+
+Everything that can be checked without loading a model is checked before the first job
+starts. Completed cells are never recomputed or rewritten: a re-run resumes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from . import builtin
+from .diff import Thresholds
+from .errors import InputError
+from .fingerprint import environment
+from .jobspec import JobSpec, PromptSpec, cell_path
+from .launch import Rendezvous, run_group
+from .plan import Cell, Matrix, ModelShape, Plan, expand, validate_against_model
+from .probes import Suite, load_suite
+from .records import read_meta
+from .rundir import Manifest, RunLock, remove_partial_files
+
+DEFAULT_MAX_NEW_TOKENS = 32
+
+
+@dataclass
+class RunOptions:
+    out: Path
+    cell_timeout: float = 3600.0
+    load_timeout: float = 1800.0
+    cpu_threads: int = 1
+    trust_remote_code: bool = False
+    rdzv: Rendezvous = field(default_factory=Rendezvous)
+    gate: bool = False
+    thresholds: Thresholds = field(default_factory=Thresholds)
+    argv: list[str] = field(default_factory=list)
+
+
+@dataclass
+class ModelRef:
+    id: str
+    path: Path
+    weights_sha256: str | None
+
+
+# ------------------------------------------------------------------------------ resolution
+
+
+def resolve_model(model: str) -> ModelRef:
+    if builtin.is_builtin(model):
+        path = builtin.ensure(model)
+        return ModelRef(model, path, builtin.weights_sha256(path))
+    local = Path(model).expanduser()
+    if local.exists():
+        if not (local / "config.json").is_file():
+            raise InputError(f"--model {model}: directory has no config.json")
+        return ModelRef(str(local.resolve()), local.resolve(), _hub_weights_id(local))
+    if model.count("/") != 1:
+        raise InputError(f"--model {model!r}: not a local directory, not a built-in "
+                         f"({', '.join(builtin.PREFIX + n for n in builtin.BUILTINS)}), and not a Hub id (org/name)")
+    try:
+        from huggingface_hub import snapshot_download
+
+        path = Path(snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]))
+    except Exception as exc:  # offline, unknown repo, gated repo: all end the same way for the user
+        raise InputError(f"--model {model!r}: not found locally or on the Hugging Face Hub ({type(exc).__name__})") from None
+    return ModelRef(model, path, _hub_weights_id(path))
+
+
+def _hub_weights_id(path: Path) -> str | None:
+    """Hub snapshots link each file to a blob named by its sha256: a free content hash."""
+    blobs = [os.path.basename(os.path.realpath(p)) for p in sorted(path.glob("*.safetensors")) if p.is_symlink()]
+    if not blobs or not all(len(b) == 64 for b in blobs):
+        return None
+    return hashlib.sha256("".join(blobs).encode()).hexdigest()
+
+
+def load_tokenizer(ref: ModelRef, trust_remote_code: bool):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(ref.path, trust_remote_code=trust_remote_code)
+    except Exception as exc:
+        raise InputError(f"--model {ref.id}: cannot load its tokenizer ({type(exc).__name__}: {exc})") from None
+
+
+def tokenizer_meta(tok, model_id: str) -> dict[str, Any]:
+    backend = getattr(tok, "backend_tokenizer", None)
+    blob = (backend.to_str() if backend is not None else json.dumps(tok.get_vocab(), sort_keys=True))
+    blob += str(getattr(tok, "chat_template", None))
+    return {"name": model_id, "sha256": hashlib.sha256(blob.encode()).hexdigest()}
+
+
+def tokenize(suite: Suite, tok, max_new_tokens: int | None, max_positions: int | None) -> list[PromptSpec]:
+    out = []
+    for p in suite.probes:
+        if p.messages is not None:
+            if not getattr(tok, "chat_template", None):
+                raise InputError(f"probe {p.id!r} has 'messages' but the tokenizer has no chat template")
+            ids = tok.apply_chat_template([{"role": r, "content": c} for r, c in p.messages], add_generation_prompt=True,
+                                          tokenize=True, return_dict=False)
+        else:
+            ids = tok(p.prompt)["input_ids"]
+        ids = [int(i) for i in ids]
+        if len(ids) < 2:
+            raise InputError(f"probe {p.id!r} tokenizes to {len(ids)} token(s); a prompt needs at least 2 to be scored")
+        completion = [int(i) for i in tok(p.completion, add_special_tokens=False)["input_ids"]] if p.completion else None
+        n_new = max_new_tokens or p.max_new_tokens or DEFAULT_MAX_NEW_TOKENS
+        longest = len(ids) + max(n_new, len(completion or ()))
+        if max_positions and longest > max_positions:
+            raise InputError(f"probe {p.id!r} needs {longest} positions; the model supports {max_positions}")
+        out.append(PromptSpec(id=p.id, tokens=ids, completion=completion, max_new_tokens=n_new))
+    return out
+
+
+def model_shape(ref: ModelRef, trust_remote_code: bool) -> tuple[ModelShape, int | None]:
+    from transformers import AutoConfig
+
+    try:
+        full = AutoConfig.from_pretrained(ref.path, trust_remote_code=trust_remote_code)
+    except Exception as exc:
+        raise InputError(f"--model {ref.id}: cannot read its config ({type(exc).__name__}: {exc})") from None
+    cfg = full.get_text_config()
+    styles = dict(getattr(cfg, "base_model_tp_plan", None) or {})
+    try:
+        from transformers import AutoModelForCausalLM
+
+        cls = AutoModelForCausalLM._model_mapping[type(full)]
+        styles.update(getattr(cls, "_tp_plan", None) or {})
+    except (KeyError, AttributeError):
+        pass
+    shape = ModelShape(
+        model_type=full.model_type, num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
+        intermediate_size=getattr(cfg, "intermediate_size", 0) or 0, vocab_size=cfg.vocab_size, tp_styles=styles,
+    )
+    return shape, getattr(cfg, "max_position_embeddings", None)
+
+
+# ------------------------------------------------------------------------------ the run
+
+
+def cell_settings(cell: Cell, plan: Plan, ref: ModelRef, suite: Suite) -> dict[str, Any]:
+    m = plan.matrix
+    return {
+        "id": cell.id, "engine": cell.engine, "tp": cell.tp, "batch_size": cell.batch_size, "nccl": cell.nccl,
+        "nccl_env": m.nccl[cell.nccl], "kernels": cell.kernels, "mode": cell.mode, "model": ref.id,
+        "dtype": m.dtype, "device": m.device, "probes": suite.name, "probes_sha256": suite.sha256, "topk": m.topk,
+        "max_new_tokens": m.max_new_tokens,
+    }
+
+
+def needs_reference(plan: Plan, prompts: list[PromptSpec]) -> bool:
+    return "score" in plan.matrix.modes and any(p.completion is None for p in prompts)
+
+
+def _check_existing(run_dir: Path, plan: Plan, settings: dict[str, dict[str, Any]]) -> list[str]:
+    """Cells already on disk: reused when made with the same settings, refused otherwise."""
+    done = []
+    for cid, want in settings.items():
+        path = cell_path(run_dir, cid)
+        if not path.exists():
+            continue
+        have = read_meta(path).cell
+        if have != want:
+            diff = ", ".join(f"{k}: {have.get(k)!r} → {want.get(k)!r}" for k in sorted(set(have) | set(want)) if have.get(k) != want.get(k))
+            raise InputError(f"{run_dir} already holds cell {cid} made with other settings ({diff}); use another --out")
+        done.append(cid)
+    return done
+
+
+class _Stop:
+    """SIGINT/SIGTERM set a flag; the launcher ends the job and the run exits cleanly."""
+
+    def __init__(self) -> None:
+        self.signal: int | None = None
+
+    def __call__(self, signum, frame) -> None:  # noqa: ANN001
+        self.signal = signum
+
+    def __bool__(self) -> bool:
+        return self.signal is not None
+
+
+def _job_env(group_env: dict[str, str], device: str, cpu_threads: int) -> dict[str, str]:
+    env = dict(os.environ)
+    for key in [k for k in env if k.startswith("NCCL_") and k != "NCCL_NVLS_ENABLE"]:
+        del env[key]  # a preset is the whole NCCL environment of its job
+    env.update(group_env)
+    env["PYTHONUNBUFFERED"] = "1"
+    env["OMP_NUM_THREADS"] = str(cpu_threads)
+    if device == "cpu":
+        env["TRITON_INTERPRET"] = "1"  # tbik kernels run on CPU tensors through Triton's interpreter
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    return env
+
+
+def run(matrix: Matrix, opts: RunOptions, console: Console | None = None) -> int:
+    console = console or Console(stderr=False)
+    started = time.perf_counter()
+    suite = load_suite(matrix.probes)
+    plan = expand(matrix)
+    ref = resolve_model(matrix.model)
+    shape, max_positions = model_shape(ref, opts.trust_remote_code)
+    visible = None
+    if matrix.device == "cuda":
+        import torch
+
+        visible = torch.cuda.device_count()
+    validate_against_model(plan, shape, visible, opts.rdzv.nnodes)
+    if "vllm" in matrix.engines:
+        from .engines import vllm_engine
+
+        vllm_engine.require()
+    tok = load_tokenizer(ref, opts.trust_remote_code)
+    prompts = tokenize(suite, tok, matrix.max_new_tokens, max_positions)
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    if pad_id is None:
+        raise InputError(f"--model {ref.id}: the tokenizer has neither a pad nor an EOS token")
+    tok_meta = tokenizer_meta(tok, ref.id)
+    reference_cell = plan.reference_source if needs_reference(plan, prompts) else None
+    if reference_cell is not None and reference_cell not in plan.cells:
+        plan = expand_with(plan, reference_cell)
+    for note in plan.notes:
+        console.print(f"[dim]note: {note}[/]")
+
+    run_dir = opts.out
+    run_dir.mkdir(parents=True, exist_ok=True)
+    leader = opts.rdzv.node_rank == 0
+    settings = {c.id: cell_settings(c, plan, ref, suite) for c in plan.cells}
+    with RunLock(run_dir):
+        remove_partial_files(run_dir)
+        already = _check_existing(run_dir, plan, settings) if leader else []
+        manifest = Manifest.load_or_new(run_dir)
+        manifest.data.update({
+            "command": opts.argv, "matrix": _matrix_json(plan), "baseline": plan.baseline.id,
+            "reference_cell": reference_cell.id if reference_cell else None,
+            "probes": suite.meta, "model": {"id": ref.id, "path": str(ref.path), "weights_sha256": ref.weights_sha256},
+            "tokenizer": tok_meta, "environment": environment(matrix.device),
+        })
+        manifest.data["runs"].append({"started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "argv": opts.argv})
+        for cid in settings:
+            entry = manifest.cell(cid)
+            entry["settings"] = settings[cid]
+            entry["file"] = str(cell_path(run_dir, cid).relative_to(run_dir))
+            if cid in already:
+                entry["status"] = "done"
+            elif entry.get("status") != "done":
+                entry.update(status="pending", reason=None)
+        if leader:
+            manifest.save()
+        stop = _Stop()
+        old = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            _run_groups(plan, opts, run_dir, manifest, settings, already, prompts, ref, suite, tok_meta,
+                        pad_id, tok.eos_token_id, reference_cell, stop, console, leader)
+        finally:
+            for s, handler in old.items():
+                signal.signal(s, handler)
+            remove_partial_files(run_dir)
+        manifest.data["wall_s"] = time.perf_counter() - started
+        if leader:
+            manifest.save()
+        if stop:
+            console.print(f"[yellow]interrupted ({signal.Signals(stop.signal).name}); completed cells are kept, re-run the same command to resume[/]")
+            return 130
+        if not leader:
+            return 0
+        from .summary import print_summary, summarize, write_summary
+
+        summary = summarize(plan, run_dir, manifest, opts.thresholds)
+        write_summary(summary, run_dir)
+        print_summary(summary, console)
+    failed = [cid for cid, c in manifest.data["cells"].items() if cid in settings and c.get("status") != "done"]
+    if failed:
+        console.print(f"[red]{len(failed)} cell(s) did not complete: {', '.join(failed)}[/] (reasons in {run_dir / 'manifest.json'})")
+        return 1
+    if opts.gate and not summary["passed"]:
+        return 1
+    return 0
+
+
+def expand_with(plan: Plan, extra: Cell) -> Plan:
+    """The plan plus the cell that makes the score references, placed first in its group."""
+    from dataclasses import replace
+
+    groups = []
+    for g in plan.groups:
+        if (g.engine, g.tp, g.nccl) == extra.group_key:
+            g = replace(g, cells=(extra,) + g.cells)
+        groups.append(g)
+    return replace(plan, cells=plan.cells + (extra,), groups=tuple(groups),
+                   notes=plan.notes + (f"score references come from {extra.id} (added to the matrix)",))
+
+
+def _matrix_json(plan: Plan) -> dict[str, Any]:
+    m = plan.matrix
+    return {"engines": list(m.engines), "tp": list(m.tps), "batch_size": list(m.batch_sizes), "nccl": m.nccl,
+            "kernels": list(m.kernels), "mode": list(m.modes), "dtype": m.dtype, "device": m.device,
+            "probes": m.probes, "max_new_tokens": m.max_new_tokens, "topk": m.topk,
+            "reference_per": list(m.reference_per), "groups": [g.id for g in plan.groups]}
+
+
+def _run_groups(plan, opts, run_dir, manifest, settings, already, prompts, ref, suite, tok_meta, pad_id, eos_id,
+                reference_cell, stop, console, leader) -> None:
+    job_dir = run_dir / "jobs"
+    job_dir.mkdir(exist_ok=True)
+    todo_total = sum(1 for c in plan.cells if c.id not in already)
+    progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                        console=console, transient=False)
+    with progress:
+        cells_task = progress.add_task("cells", total=todo_total)
+        tokens_task = progress.add_task("tokens", total=1, visible=False)
+
+        def on_event(ev: dict) -> None:
+            kind, cid = ev["event"], ev.get("cell")
+            if kind == "cell_start":
+                progress.update(tokens_task, description=f"  {cid}", completed=0, total=1, visible=True)
+                if leader:
+                    manifest.set_cell(cid, status="running")
+            elif kind == "progress":
+                progress.update(tokens_task, completed=ev["tokens"], total=ev["total"])
+            elif kind == "cell_done":
+                progress.advance(cells_task)
+                t = ev["timing"]
+                rate = t.get("decode_tokens_per_s") or t.get("prefill_tokens_per_s")
+                progress.console.print(f"[green]done[/] {cid}  {ev['seconds']:.1f}s" + (f"  {rate:,.0f} tok/s" if rate else ""))
+            elif kind == "cell_failed":
+                progress.console.print(f"[red]failed[/] {cid}: {ev['reason']}")
+
+        for group in plan.groups:
+            if stop:
+                break
+            cells = [c for c in group.cells if c.id not in already]
+            if not cells and opts.rdzv.nnodes == 1:
+                continue
+            spec = JobSpec(
+                group_id=group.id, engine=group.engine, model_path=str(ref.path), dtype=plan.matrix.dtype,
+                device=plan.matrix.device, tp=group.tp, out_dir=str(run_dir), events_dir="",
+                cells=[settings[c.id] for c in (cells if opts.rdzv.nnodes == 1 else group.cells)],
+                prompts=prompts, eos_id=eos_id, pad_id=pad_id, topk=plan.matrix.topk,
+                reference_cell=reference_cell.id if reference_cell else None, probes=suite.meta, tokenizer=tok_meta,
+                model={"id": ref.id, "weights_sha256": ref.weights_sha256}, cpu_threads=opts.cpu_threads,
+                trust_remote_code=opts.trust_remote_code,
+            )
+            nproc = group.tp // opts.rdzv.nnodes
+            outcome = run_group(spec, job_dir, nproc=nproc, rdzv=opts.rdzv, cell_timeout=opts.cell_timeout,
+                                load_timeout=opts.load_timeout, env=_job_env(group.nccl_env, plan.matrix.device, opts.cpu_threads),
+                                on_event=on_event, should_stop=lambda: bool(stop))
+            if leader:
+                g = manifest.data["groups"].setdefault(group.id, {})
+                g.update(load_s=outcome.load_seconds, attempts=outcome.attempts)
+                for cid, oc in outcome.cells.items():
+                    status = "done" if oc.status in ("done", "skipped") else oc.status
+                    fields = {"status": status, "reason": oc.reason}
+                    if oc.status == "done":
+                        fields.update(seconds=oc.seconds, rows=oc.rows, timing=oc.timing, ranks_differ=oc.ranks_differ)
+                    elif oc.status == "interrupted":
+                        fields["status"] = "pending"
+                    manifest.cell(cid).update(fields)
+                    if oc.status not in ("done", "skipped", "interrupted"):
+                        progress.console.print(f"[red]{oc.status}[/] {cid}: {oc.reason}")
+                manifest.save()

@@ -1,0 +1,128 @@
+"""Every cell against its reference cell: summary.json, summary.md and the terminal table."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from .diff import Thresholds, diff_records
+from .files import write_json_atomic, write_text_atomic
+from .jobspec import cell_path
+from .plan import Plan
+from .render import pct
+from .rundir import Manifest
+
+
+def _rate(timing: dict[str, Any] | None, mode: str) -> float | None:
+    if not timing:
+        return None
+    return timing.get("decode_tokens_per_s") if mode == "generate" else timing.get("prefill_tokens_per_s")
+
+
+def summarize(plan: Plan, run_dir: Path, manifest: Manifest, thresholds: Thresholds) -> dict[str, Any]:
+    rows = []
+    for cell in plan.cells:
+        entry = manifest.data["cells"].get(cell.id, {})
+        reference = plan.reference_for(cell)
+        row: dict[str, Any] = {
+            "cell": cell.id, "reference": reference.id, "status": entry.get("status"), "reason": entry.get("reason"),
+            "seconds": entry.get("seconds"), "tokens_per_s": _rate(entry.get("timing"), cell.mode),
+            "timing": entry.get("timing"), "ranks_differ": entry.get("ranks_differ"),
+        }
+        a, b = cell_path(run_dir, reference.id), cell_path(run_dir, cell.id)
+        if entry.get("status") == "done" and a.exists() and b.exists():
+            r = diff_records(a, b, thresholds=thresholds)
+            first = [p.first_logprob_divergence for p in r.shared_prompts if p.first_logprob_divergence is not None]
+            first_tok = [p.first_token_divergence for p in r.shared_prompts if p.first_token_divergence is not None]
+            row.update({
+                "compared": r.comparable, "bitwise_equal": r.bitwise_equal, "bitwise_equal_rate": r.bitwise_equal_rate,
+                "digest_equal_rate": r.digest_equal_rate, "ulp_max": r.ulp_max, "abs_max": r.abs_max,
+                "prob_max": r.prob_max, "seq_token_match_rate": r.seq_token_match_rate,
+                "seq_bitwise_match_rate": r.seq_bitwise_match_rate, "top1_agreement": r.top1_agreement,
+                "first_logprob_divergence_min": min(first) if first else None,
+                "first_token_divergence_min": min(first_tok) if first_tok else None,
+                "prompts_diverged": len(first), "prompts": len(r.shared_prompts),
+                "seq_token_matches": sum(p.token_match for p in r.shared_prompts),
+                "identical": r.identical, "passed": r.passed, "reasons": r.reasons,
+            })
+        rows.append(row)
+    compared = [r for r in rows if "passed" in r and r["cell"] != r["reference"]]
+    cell_seconds = sum(r["seconds"] or 0 for r in rows)
+    loads = {g: v.get("load_s", []) for g, v in manifest.data.get("groups", {}).items()}
+    return {
+        "baseline": plan.baseline.id,
+        "reference_per": list(plan.matrix.reference_per),
+        "cells": rows,
+        "passed": all(r["passed"] for r in compared) and all(r["status"] == "done" for r in rows),
+        "identical_cells": sum(1 for r in compared if r["identical"]),
+        "compared_cells": len(compared),
+        "wall_s": manifest.data.get("wall_s"),
+        "sum_cell_s": cell_seconds,
+        "load_s": loads,
+    }
+
+
+def _fmt_rate(x: float | None) -> str:
+    return "—" if x is None else f"{x:,.0f}"
+
+
+def _bitwise(r: dict[str, Any]) -> str:
+    if "compared" not in r:
+        return "—"
+    return pct(r["bitwise_equal"], r["compared"])
+
+
+def _seq(r: dict[str, Any]) -> str:
+    return "—" if "seq_token_matches" not in r else pct(r["seq_token_matches"], r["prompts"])
+
+
+def table_rows(summary: dict[str, Any]) -> list[list[str]]:
+    out = []
+    for r in summary["cells"]:
+        is_ref = r["cell"] == r["reference"]
+        first = r.get("first_logprob_divergence_min")
+        out.append([
+            r["cell"], "(reference)" if is_ref else r["reference"], r["status"] or "—",
+            "—" if is_ref else _bitwise(r),
+            "—" if is_ref or "ulp_max" not in r else str(r["ulp_max"]),
+            "—" if is_ref or "abs_max" not in r else repr(r["abs_max"]),
+            "—" if is_ref or first is None else f"pos {first} ({r['prompts_diverged']}/{r['prompts']} prompts)",
+            "—" if is_ref else _seq(r),
+            _fmt_rate(r["tokens_per_s"]),
+        ])
+    return out
+
+
+HEADER = ["cell", "reference", "status", "bitwise-equal", "max ULP", "max |Δ lp|", "first divergence", "seq match", "tok/s"]
+
+
+def print_summary(summary: dict[str, Any], console: Console) -> None:
+    t = Table(title=f"cells vs reference (baseline {summary['baseline']}, reference per {', '.join(summary['reference_per'])})",
+              header_style="bold")
+    for h in HEADER:
+        t.add_column(h, overflow="fold")
+    for row in table_rows(summary):
+        t.add_row(*row)
+    console.print(t)
+    console.print(f"{summary['identical_cells']}/{summary['compared_cells']} cells bitwise identical to their reference")
+
+
+def summary_markdown(summary: dict[str, Any]) -> str:
+    lines = [f"# repaudit run summary", "", f"Baseline `{summary['baseline']}`; each cell is compared with the baseline "
+             f"settings taken with its own {', '.join(summary['reference_per'])}.", "",
+             "| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
+    lines += ["| " + " | ".join(row) + " |" for row in table_rows(summary)]
+    lines += ["", f"{summary['identical_cells']}/{summary['compared_cells']} cells bitwise identical to their reference.", ""]
+    if summary.get("wall_s") is not None:
+        loads = sum(sum(v) for v in summary["load_s"].values())
+        lines.append(f"Whole matrix {summary['wall_s']:.1f} s; sum of cell times {summary['sum_cell_s']:.1f} s; "
+                     f"model loads {loads:.1f} s over {len(summary['load_s'])} launch group(s).")
+    return "\n".join(lines) + "\n"
+
+
+def write_summary(summary: dict[str, Any], run_dir: Path) -> None:
+    write_json_atomic(run_dir / "summary.json", summary)
+    write_text_atomic(run_dir / "summary.md", summary_markdown(summary))

@@ -1,0 +1,164 @@
+"""One rank of a launch group: load the model once, run every cell of the group, and (rank 0)
+write one record per cell. Started by torchrun (or inside an existing torchrun/SLURM job).
+
+Any exception in a cell is reported as an event and ends the process at once: its peers may
+be blocked in a collective, and only the launcher can end the whole job cleanly.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+import numpy as np
+
+from .engines.base import Sequence, Timing, TokenRows
+from .events import EventWriter
+from .faults import maybe_inject
+from .jobspec import JobSpec, cell_path
+from .records import RecordMeta, build_table, load_frame, write_table
+
+
+def _reason(exc: BaseException) -> str:
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    kind = "out of memory" if type(exc).__name__ == "OutOfMemoryError" else type(exc).__name__
+    return f"{kind}: {first}" if first else kind
+
+
+def _init(spec: JobSpec):
+    import torch
+    import torch.distributed as dist
+
+    if spec.device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    else:
+        torch.set_num_threads(spec.cpu_threads)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+        # Hangs are the launcher's to judge (per-cell timeout); keep the backend's own watchdog out of it.
+        dist.init_process_group("nccl" if spec.device == "cuda" else "gloo", timeout=timedelta(hours=24))
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _references(spec: JobSpec, rank: int) -> dict[str, list[int]] | None:
+    from .distutil import broadcast_json
+
+    refs = None
+    if rank == 0 and spec.reference_cell:
+        path = cell_path(spec.out_dir, spec.reference_cell)
+        if path.exists():
+            df = load_frame(path)
+            done = df[df["phase"] == "completion"].sort_values(["prompt_id", "pos"])
+            refs = {str(k): g["token_id"].astype(int).tolist() for k, g in done.groupby("prompt_id", observed=True)}
+    return broadcast_json(refs)
+
+
+def _sequences(spec: JobSpec, refs: dict[str, list[int]] | None, mode: str) -> list[Sequence]:
+    out = []
+    for p in spec.prompts:
+        completion = p.completion
+        if mode == "score" and completion is None:
+            if refs is None or p.id not in refs:
+                raise RuntimeError(f"no reference completion for {p.id!r}: reference cell {spec.reference_cell} has not completed")
+            completion = refs[p.id]
+        out.append(Sequence(p.id, tuple(p.tokens), tuple(completion) if completion is not None else None, p.max_new_tokens))
+    return out
+
+
+def _table(rows: list[TokenRows]):
+    cat = lambda name: np.concatenate([getattr(r, name) for r in rows])  # noqa: E731
+    ids = np.concatenate([np.full(len(r.pos), r.prompt_id, dtype=object) for r in rows])
+    return build_table(prompt_id=ids, pos=cat("pos"), token_id=cat("token_id"), logprob=cat("logprob"),
+                       phase=cat("phase"), topk_ids=cat("topk_ids") if rows[0].topk_ids.shape[1] else None,
+                       topk_logprobs=cat("topk_logprobs") if rows[0].topk_ids.shape[1] else None,
+                       row_digest=cat("digest"), top1_id=cat("top1"))
+
+
+def run_job(spec: JobSpec) -> None:
+    import torch
+
+    from .distutil import broadcast_json, rows_where_ranks_differ
+    from .engines import hf
+    from .fingerprint import environment
+    from .kernelmodes import kernel_mode
+
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    rank = _init(spec)
+    events = EventWriter(Path(spec.events_dir), rank)
+    events.emit("pid", pid=os.getpid(), local_rank=local_rank)
+    # Rank 0 decides what is left to do, so nodes that cannot see the run directory agree.
+    todo = broadcast_json([c for c in spec.cells if not cell_path(spec.out_dir, c["id"]).exists()] if rank == 0 else None)
+    for c in spec.cells:
+        if c not in todo:
+            events.emit("cell_skip", cell=c["id"])
+    if not todo:
+        return
+    t0 = time.perf_counter()
+    model = hf.load(spec.model_path, dtype=spec.dtype, device=spec.device, tp=spec.tp,
+                    trust_remote_code=spec.trust_remote_code, eos_id=spec.eos_id, pad_id=spec.pad_id)
+    events.emit("loaded", seconds=time.perf_counter() - t0)
+    env = environment(spec.device)
+    refs = None
+    for cell in todo:
+        cid = cell["id"]
+        events.emit("cell_start", cell=cid)
+        t_cell = time.perf_counter()
+        try:
+            maybe_inject(cid, rank)
+            if cell["mode"] == "score" and refs is None and any(p.completion is None for p in spec.prompts):
+                refs = _references(spec, rank)
+            seqs = _sequences(spec, refs, cell["mode"])
+            rows: list[TokenRows] = []
+            timing = Timing()
+            run = hf.score if cell["mode"] == "score" else hf.generate
+            total = sum(len(s.prompt) + (len(s.completion) if s.completion else s.max_new_tokens) for s in seqs)
+            done_tokens = 0
+            with kernel_mode(model, cell["kernels"]):
+                for i in range(0, len(seqs), cell["batch_size"]):
+                    batch = seqs[i : i + cell["batch_size"]]
+                    out, t = run(model, batch, spec.topk)
+                    rows.extend(out)
+                    timing.add(t)
+                    done_tokens += sum(len(s.prompt) + (len(s.completion) if s.completion else s.max_new_tokens) for s in batch)
+                    events.emit("progress", cell=cid, tokens=done_tokens, total=total)
+            digests = torch.from_numpy(np.concatenate([r.digest for r in rows]).view(np.int64))
+            ranks_differ = rows_where_ranks_differ(digests)
+            n_rows = sum(len(r.pos) for r in rows)
+            if rank == 0:
+                meta = RecordMeta(cell=cell, env=env, probes=spec.probes, model=spec.model, tokenizer=spec.tokenizer,
+                                  prompts=[], topk=spec.topk)
+                path = cell_path(spec.out_dir, cid)
+                path.parent.mkdir(parents=True, exist_ok=True)
+                write_table(path, _table(rows), meta)
+        except BaseException as exc:  # noqa: BLE001 - reported, then the process ends
+            events.emit("cell_failed", cell=cid, reason=_reason(exc), traceback=traceback.format_exc()[-4000:])
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(3)
+        events.emit("cell_done", cell=cid, seconds=time.perf_counter() - t_cell, rows=n_rows,
+                    ranks_differ=ranks_differ, timing=timing.as_dict())
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    spec = JobSpec.read(Path(argv[0]))
+    try:
+        run_job(spec)
+    except BaseException as exc:  # a failure outside any cell: loading, init, references
+        try:
+            EventWriter(Path(spec.events_dir), int(os.environ.get("RANK", "0"))).emit(
+                "job_failed", reason=_reason(exc), traceback=traceback.format_exc()[-4000:])
+        finally:
+            os._exit(4)
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
