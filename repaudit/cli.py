@@ -116,7 +116,7 @@ def run(
     opts = RunOptions(
         out=out, cell_timeout=timeout, load_timeout=load_timeout, cpu_threads=cpu_threads,
         trust_remote_code=trust_remote_code, gate=gate, argv=["repaudit"] + _sys.argv[1:],
-        rdzv=Rendezvous(nnodes=nnodes, node_rank=node_rank, endpoint=rdzv_endpoint, run_id=out.name),
+        rdzv=Rendezvous(nnodes=nnodes, node_rank=node_rank, endpoint=rdzv_endpoint),
         thresholds=Thresholds(max_ulp=max_ulp, max_abs=max_abs),
     )
     raise typer.Exit(commands.run(matrix, opts))

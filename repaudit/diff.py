@@ -151,7 +151,7 @@ class DiffResult:
             "a": _meta_summary(self.a),
             "b": _meta_summary(self.b),
             "verdict": {"passed": self.passed, "identical": self.identical, "reasons": self.reasons},
-            "thresholds": asdict(self.thresholds),
+            "thresholds": {k: _json_float(v) for k, v in asdict(self.thresholds).items()},
             "rows": {
                 "a": self.rows_a, "b": self.rows_b, "matched": self.matched, "comparable": self.comparable,
                 "after_divergence": self.after_divergence, "unmatched_a": self.unmatched_a,
@@ -161,8 +161,8 @@ class DiffResult:
                 "bitwise_equal": self.bitwise_equal, "bitwise_equal_rate": self.bitwise_equal_rate,
                 "nan_vs_number": self.nan_vs_number, "nan_payload_differs": self.nan_payload_differs,
                 "ulp_max": self.ulp_max, "ulp_mean": self.ulp_mean, "ulp_p50": self.ulp_p50,
-                "ulp_p99": self.ulp_p99, "abs_max": self.abs_max, "abs_mean": self.abs_mean,
-                "prob_max": self.prob_max,
+                "ulp_p99": self.ulp_p99, "abs_max": _json_float(self.abs_max),
+                "abs_mean": _json_float(self.abs_mean), "prob_max": _json_float(self.prob_max),
             },
             "digest": {"compared": self.digest_compared, "equal": self.digest_equal, "equal_rate": self.digest_equal_rate},
             "top1": {"compared": self.top1_compared, "equal": self.top1_equal, "agreement": self.top1_agreement},
@@ -180,6 +180,13 @@ class DiffResult:
             "cell_differences": [list(d) for d in self.cell_differences],
             "partial": self.refusals,
         }
+
+
+def _json_float(x: Any) -> Any:
+    """JSON has no inf or NaN: a non-finite float (|Δ| against a ±inf logprob) becomes "inf" / "-inf" / "nan"."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")
+    return x
 
 
 def _meta_summary(meta: RecordMeta) -> dict[str, Any]:
@@ -342,7 +349,7 @@ class _Acc:
         self.small_hist = np.zeros(_SMALL_ULP, dtype=np.int64)
         self.large: list[np.ndarray] = []
         self.ulp_total = 0
-        self.abs_total = 0.0
+        self.abs_total = _ExactSum()
         self.abs_max = 0.0
         self.prob_max = 0.0
         self.after_divergence = self.nan_vs_number = self.nan_payload = 0
@@ -423,11 +430,65 @@ class _Acc:
         av = abits.view(np.float32).astype(np.float64)
         bv = bbits.view(np.float32).astype(np.float64)
         with np.errstate(invalid="ignore", over="ignore"):
-            absdiff = np.abs(av - bv)
+            delta = av - bv  # |a - b| rounded once; infinite only where one side is ±inf
             prob = np.abs(np.exp(av) - np.exp(bv))
-        self.abs_total += float(absdiff.sum())
-        self.abs_max = max(self.abs_max, float(absdiff.max()))
+        self.abs_total.add(av, bv, delta)
+        self.abs_max = max(self.abs_max, float(np.abs(delta).max()))
         self.prob_max = max(self.prob_max, float(prob.max()))
+
+
+class _ExactSum:
+    """Exact running sum of |a - b| over float32 pairs, so the mean cannot depend on how the rows
+    were cut into batches: it is rounded once, at the end. a - b in float64 plus its TwoSum error
+    is exactly a - b; each part is summed exactly by Rump-Ogita-Oishi extraction (split onto a
+    grid whose sums float64 holds without rounding, repeat on the remainders). Every value is a
+    multiple of 2**-149, so the total is kept as an integer scaled by 2**149."""
+
+    def __init__(self) -> None:
+        self.scaled = 0  # sum |a - b| * 2**149, exact
+        self.infinite = False
+
+    def add(self, a: np.ndarray, b: np.ndarray, delta: np.ndarray) -> None:
+        """a, b: float32 values as float64 (no NaN); delta: fl(a - b)."""
+        finite = np.isfinite(delta)
+        if not finite.all():
+            self.infinite = True
+            a, b, delta = a[finite], b[finite], delta[finite]
+        # TwoSum, in place: err = (a - (delta - back)) + (-b - back) with back = delta - a
+        back = np.subtract(delta, a)
+        err = np.subtract(delta, back)
+        np.subtract(a, err, out=err)
+        np.add(b, back, out=back)
+        np.subtract(err, back, out=err)  # a - b == delta + err exactly
+        x = np.abs(delta)
+        if err.any():  # |a - b| = |delta| + sign(delta) * err
+            np.multiply(np.sign(delta), err, out=err)
+            x = np.concatenate([x, err])
+        self.scaled += _exact_sum_scaled(x, back)
+
+    def mean(self, n: int) -> float:
+        if not n:
+            return 0.0
+        if self.infinite:
+            return math.inf
+        return self.scaled / (n << 149)  # int / int is correctly rounded
+
+
+def _exact_sum_scaled(x: np.ndarray, scratch: np.ndarray | None = None) -> int:
+    """sum(x) * 2**149, exactly, for float64 values that are multiples of 2**-149 (x is overwritten)."""
+    total = 0
+    m = max(len(x) + 2, 2).bit_length() + 1  # 2**m >= 2 * (n + 2)
+    q = scratch if scratch is not None and len(scratch) == len(x) else np.empty_like(x)
+    while len(x):
+        top = max(float(x.max()), -float(x.min()))
+        if top == 0.0:
+            break
+        sigma = math.ldexp(1.0, math.frexp(top)[1] + m)  # sigma >= 2**m * max|x|
+        np.add(x, sigma, out=q)
+        np.subtract(q, sigma, out=q)  # x on sigma's grid; partial sums of q are exact in any order
+        total += int(math.ldexp(float(q.sum()), 149))
+        np.subtract(x, q, out=x)  # exact; |x| <= ulp(sigma)
+    return total
 
 
 def _all_of(*masks: np.ndarray | None) -> np.ndarray | None:
@@ -585,7 +646,7 @@ def _finish(acc: _Acc, a: RecordMeta, b: RecordMeta, union: list[str], th: Thres
         ulp_max=int(max(x.max() for x in acc.large)) if acc.large else int(np.flatnonzero(acc.small_hist)[-1]) if numeric else 0,
         ulp_mean=acc.ulp_total / numeric if numeric else 0.0,
         ulp_p50=_percentile(acc, numeric, 0.50), ulp_p99=_percentile(acc, numeric, 0.99),
-        abs_max=acc.abs_max, abs_mean=acc.abs_total / numeric if numeric else 0.0, prob_max=acc.prob_max,
+        abs_max=acc.abs_max, abs_mean=acc.abs_total.mean(numeric), prob_max=acc.prob_max,
         digest_compared=acc.digest_compared, digest_equal=acc.digest_equal,
         top1_compared=acc.top1_compared, top1_equal=acc.top1_equal,
         prompts=prompts,

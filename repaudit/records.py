@@ -131,6 +131,8 @@ def build_table(
             raise InputError(f"phase must be one of {PHASES}, got {sorted(bad)}")
     if n and not all(isinstance(x, str) and x for x in set(ids.tolist())):
         raise InputError("prompt_id values must be non-empty strings")
+    if n and pos_a.min() < 0:
+        raise InputError(f"pos must be >= 0 (got {int(pos_a.min())})")
 
     uniq, codes = np.unique(ids.astype(str), return_inverse=True)
     order = np.lexsort((pos_a, codes))
@@ -290,16 +292,22 @@ def _validated(path: Path) -> tuple[pq.ParquetFile, RecordMeta]:
     _check_schema(path, schema)
     if not isinstance(values[KEY_CELL], dict) or "id" not in values[KEY_CELL]:
         raise InputError(f"{path}: metadata {KEY_CELL!r} must be an object with an 'id'")
-    if not isinstance(values[KEY_PROMPTS], list):
+    for key in (KEY_ENV, KEY_PROBES, KEY_MODEL, KEY_TOKENIZER):
+        if not isinstance(values[key], dict):
+            raise InputError(f"{path}: metadata {key!r} must be a JSON object")
+    if not isinstance(values[KEY_PROMPTS], list) or not all(isinstance(p, str) for p in values[KEY_PROMPTS]):
         raise InputError(f"{path}: metadata {KEY_PROMPTS!r} must be a list of prompt ids")
+    topk = values[KEY_TOPK]
+    if not isinstance(topk, int) or isinstance(topk, bool) or topk < 0:
+        raise InputError(f"{path}: metadata {KEY_TOPK!r} must be a non-negative integer")
     meta = RecordMeta(
         cell=values[KEY_CELL],
         env=values[KEY_ENV],
         probes=values[KEY_PROBES],
         model=values[KEY_MODEL],
         tokenizer=values[KEY_TOKENIZER],
-        prompts=[str(p) for p in values[KEY_PROMPTS]],
-        topk=int(values[KEY_TOPK]),
+        prompts=list(values[KEY_PROMPTS]),
+        topk=topk,
         num_rows=pf.metadata.num_rows,
         path=path,
     )

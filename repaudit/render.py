@@ -19,7 +19,8 @@ def pct(num: int, den: int) -> str:
         return "n/a"
     if num == den:
         return "100%"
-    return f"{math.floor(10000 * num / den) / 100:.2f}%"
+    basis_points = 10000 * num // den  # integer floor: a float quotient can round up to 100.00%
+    return f"{basis_points // 100}.{basis_points % 100:02d}%"
 
 
 def num(x: Any) -> str:

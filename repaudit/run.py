@@ -6,6 +6,7 @@ starts. Completed cells are never recomputed or rewritten: a re-run resumes.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -23,7 +24,8 @@ from .diff import Thresholds
 from .errors import InputError
 from .fingerprint import environment
 from .jobspec import JobSpec, PromptSpec, cell_path
-from .launch import Rendezvous, run_group
+from .events import EventReader
+from .launch import CellOutcome, GroupOutcome, Rendezvous, run_group
 from .plan import Cell, Matrix, ModelShape, Plan, expand, validate_against_model
 from .probes import Suite, load_suite
 from .records import read_meta
@@ -233,12 +235,18 @@ def run(matrix: Matrix, opts: RunOptions, console: Console | None = None) -> int
     for note in plan.notes:
         console.print(f"[dim]note: {note}[/]")
 
+    # Every node derives the same rendezvous id from the same command, wherever its --out is.
+    opts.rdzv.run_id = "repaudit-" + hashlib.sha256(json.dumps(_matrix_json(plan), sort_keys=True).encode()).hexdigest()[:12]
     run_dir = opts.out
     run_dir.mkdir(parents=True, exist_ok=True)
-    leader = opts.rdzv.node_rank == 0
+    inplace = inside_torchrun()
+    if inplace:
+        _check_inplace(plan)
+    leader = opts.rdzv.node_rank == 0 and int(os.environ.get("RANK", "0")) == 0
     settings = {c.id: cell_settings(c, plan, ref, suite) for c in plan.cells}
-    with RunLock(run_dir):
-        remove_partial_files(run_dir)
+    with RunLock(run_dir) if leader else contextlib.nullcontext():
+        if leader:
+            remove_partial_files(run_dir)
         already = _check_existing(run_dir, plan, settings) if leader else []
         manifest = Manifest.load_or_new(run_dir)
         manifest.data.update({
@@ -262,11 +270,12 @@ def run(matrix: Matrix, opts: RunOptions, console: Console | None = None) -> int
         old = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
             _run_groups(plan, opts, run_dir, manifest, settings, already, prompts, ref, suite, tok_meta,
-                        pad_id, tok.eos_token_id, reference_cell, stop, console, leader)
+                        pad_id, tok.eos_token_id, reference_cell, stop, console, leader, inplace)
         finally:
             for s, handler in old.items():
                 signal.signal(s, handler)
-            remove_partial_files(run_dir)
+            if leader:
+                remove_partial_files(run_dir)
         manifest.data["wall_s"] = time.perf_counter() - started
         if leader:
             manifest.save()
@@ -287,6 +296,20 @@ def run(matrix: Matrix, opts: RunOptions, console: Console | None = None) -> int
     if opts.gate and not summary["passed"]:
         return 1
     return 0
+
+
+def inside_torchrun() -> bool:
+    """`repaudit run` started by torchrun (or srun + torchrun): run the worker in this process."""
+    return "TORCHELASTIC_RUN_ID" in os.environ or all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR"))
+
+
+def _check_inplace(plan: Plan) -> None:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    wrong = sorted({g.tp for g in plan.groups if g.tp != world})
+    if wrong:
+        raise InputError(f"inside torchrun with WORLD_SIZE={world}, every TP size must be {world}; got {wrong}")
+    if len(plan.matrix.nccl) > 1:
+        raise InputError("inside torchrun, NCCL is set up once per process: give one --nccl preset per launch")
 
 
 def expand_with(plan: Plan, extra: Cell) -> Plan:
@@ -311,9 +334,9 @@ def _matrix_json(plan: Plan) -> dict[str, Any]:
 
 
 def _run_groups(plan, opts, run_dir, manifest, settings, already, prompts, ref, suite, tok_meta, pad_id, eos_id,
-                reference_cell, stop, console, leader) -> None:
-    job_dir = run_dir / "jobs"
-    job_dir.mkdir(exist_ok=True)
+                reference_cell, stop, console, leader, inplace) -> None:
+    job_dir = run_dir / "jobs" / f"node{opts.rdzv.node_rank}"
+    job_dir.mkdir(parents=True, exist_ok=True)
     todo_total = sum(1 for c in plan.cells if c.id not in already)
     progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                         console=console, transient=False)
@@ -340,22 +363,27 @@ def _run_groups(plan, opts, run_dir, manifest, settings, already, prompts, ref, 
         for group in plan.groups:
             if stop:
                 break
-            cells = [c for c in group.cells if c.id not in already]
-            if not cells and opts.rdzv.nnodes == 1:
+            # Where other processes cannot see what this one skips, the workers decide (rank 0 broadcasts).
+            shared_view = opts.rdzv.nnodes == 1 and not inplace
+            cells = [c for c in group.cells if c.id not in already] if shared_view else list(group.cells)
+            if not cells:
                 continue
             spec = JobSpec(
                 group_id=group.id, engine=group.engine, model_path=str(ref.path), dtype=plan.matrix.dtype,
                 device=plan.matrix.device, tp=group.tp, out_dir=str(run_dir), events_dir="",
-                cells=[settings[c.id] for c in (cells if opts.rdzv.nnodes == 1 else group.cells)],
+                cells=[settings[c.id] for c in cells],
                 prompts=prompts, eos_id=eos_id, pad_id=pad_id, topk=plan.matrix.topk,
                 reference_cell=reference_cell.id if reference_cell else None, probes=suite.meta, tokenizer=tok_meta,
                 model={"id": ref.id, "weights_sha256": ref.weights_sha256}, cpu_threads=opts.cpu_threads,
                 trust_remote_code=opts.trust_remote_code,
             )
-            nproc = group.tp // opts.rdzv.nnodes
-            outcome = run_group(spec, job_dir, nproc=nproc, rdzv=opts.rdzv, cell_timeout=opts.cell_timeout,
-                                load_timeout=opts.load_timeout, env=_job_env(group.nccl_env, plan.matrix.device, opts.cpu_threads),
-                                on_event=on_event, should_stop=lambda: bool(stop))
+            if inplace:
+                outcome = _run_inplace(spec, job_dir, group.nccl_env, on_event)
+            else:
+                outcome = run_group(spec, job_dir,
+                    nproc=group.tp // opts.rdzv.nnodes, rdzv=opts.rdzv, cell_timeout=opts.cell_timeout,
+                    load_timeout=opts.load_timeout, env=_job_env(group.nccl_env, plan.matrix.device, opts.cpu_threads),
+                    on_event=on_event, should_stop=lambda: bool(stop))
             if leader:
                 g = manifest.data["groups"].setdefault(group.id, {})
                 g.update(load_s=outcome.load_seconds, attempts=outcome.attempts)
@@ -370,3 +398,26 @@ def _run_groups(plan, opts, run_dir, manifest, settings, already, prompts, ref, 
                     if oc.status not in ("done", "skipped", "interrupted"):
                         progress.console.print(f"[red]{oc.status}[/] {cid}: {oc.reason}")
                 manifest.save()
+
+
+def _run_inplace(spec: JobSpec, job_dir: Path, nccl_env: dict[str, str], on_event) -> GroupOutcome:
+    """One group inside the caller's torchrun job. There is no supervisor here: a failing cell
+    ends the processes (torchrun reports it) and timeouts are not enforced."""
+    from .worker import run_job
+
+    os.environ.update(nccl_env)  # read by NCCL when the worker creates its communicator
+    if spec.device == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    spec.events_dir = str(job_dir / f"{spec.group_id}.inplace")
+    run_job(spec)
+    outcome = GroupOutcome(attempts=1)
+    for ev in EventReader(Path(spec.events_dir)).poll():
+        on_event(ev)
+        if ev["event"] == "loaded" and ev["rank"] == 0:
+            outcome.load_seconds.append(ev["seconds"])
+        elif ev["event"] == "cell_skip":
+            outcome.cells.setdefault(ev["cell"], CellOutcome("skipped"))
+        elif ev["event"] == "cell_done" and ev["rank"] == 0:
+            outcome.cells[ev["cell"]] = CellOutcome("done", seconds=ev["seconds"], rows=ev["rows"],
+                                                    timing=ev["timing"], ranks_differ=ev["ranks_differ"])
+    return outcome

@@ -27,8 +27,10 @@ def summarize(plan: Plan, run_dir: Path, manifest: Manifest, thresholds: Thresho
     for cell in plan.cells:
         entry = manifest.data["cells"].get(cell.id, {})
         reference = plan.reference_for(cell)
+        delta = [f"{k}={getattr(reference, k)}" for k in ("engine", "tp", "batch_size", "nccl", "kernels", "mode")
+                 if getattr(reference, k) != getattr(cell, k)]
         row: dict[str, Any] = {
-            "cell": cell.id, "reference": reference.id, "status": entry.get("status"), "reason": entry.get("reason"),
+            "cell": cell.id, "reference": reference.id, "reference_delta": " ".join(delta).replace("batch_size", "bs"), "status": entry.get("status"), "reason": entry.get("reason"),
             "seconds": entry.get("seconds"), "tokens_per_s": _rate(entry.get("timing"), cell.mode),
             "timing": entry.get("timing"), "ranks_differ": entry.get("ranks_differ"),
         }
@@ -100,12 +102,16 @@ HEADER = ["cell", "reference", "status", "bitwise-equal", "max ULP", "max |Δ lp
 
 
 def print_summary(summary: dict[str, Any], console: Console) -> None:
-    t = Table(title=f"cells vs reference (baseline {summary['baseline']}, reference per {', '.join(summary['reference_per'])})",
+    """A compact view for the terminal; summary.md has every column."""
+    t = Table(title=f"each cell vs its reference (baseline {summary['baseline']}; same {', '.join(summary['reference_per'])})",
               header_style="bold")
-    for h in HEADER:
-        t.add_column(h, overflow="fold")
-    for row in table_rows(summary):
-        t.add_row(*row)
+    for h in ("cell", "vs", "bitwise-equal", "max ULP", "first div.", "seq match", "tok/s"):
+        t.add_column(h, overflow="fold", no_wrap=h == "cell")
+    for r, row in zip(summary["cells"], table_rows(summary)):
+        vs = "(ref)" if r["cell"] == r["reference"] else r["reference_delta"]
+        first = r.get("first_logprob_divergence_min")
+        status = "" if r["status"] == "done" else f" [red]{r['status']}[/]"
+        t.add_row(r["cell"] + status, vs, row[3], row[4], "—" if first is None else f"pos {first}", row[7], row[8])
     console.print(t)
     console.print(f"{summary['identical_cells']}/{summary['compared_cells']} cells bitwise identical to their reference")
 

@@ -1,0 +1,109 @@
+"""Matrix expansion and the up-front refusals of a bad matrix or probe suite."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from repaudit import nccl
+from repaudit.errors import InputError
+from repaudit.plan import Matrix, ModelShape, expand, validate_against_model
+from repaudit.probes import builtin_suites, load_suite
+
+QWEN_LIKE = ModelShape("qwen3", num_attention_heads=16, num_key_value_heads=8, intermediate_size=192, vocab_size=384,
+                       tp_styles={"layers.*.self_attn.o_proj": "rowwise", "lm_head": "colwise_gather_output"})
+
+
+def test_groups_share_a_job_and_baseline_group_runs_first():
+    plan = expand(Matrix(model="m", tps=(2, 1), batch_sizes=(8, 1), device="cuda",
+                         nccl={"default": {}, "tree": nccl.PRESETS["tree"]}, kernels=("stock", "tbik"),
+                         baseline="hf-tp2-bs1-tree-stock"))
+    assert plan.baseline.id == "hf-tp2-bs1-tree-stock-generate"
+    assert [g.id for g in plan.groups][0] == "hf-tp2-tree"
+    assert sorted(g.id for g in plan.groups) == ["hf-tp1-default", "hf-tp2-default", "hf-tp2-tree"]
+    for g in plan.groups:
+        modes = [c.mode for c in g.cells]
+        assert modes == sorted(modes, key=["generate", "score"].index)  # references before scoring
+        assert all(c.group_key == (g.engine, g.tp, g.nccl) for c in g.cells)
+    assert any("TP=1 runs no collective" in n for n in plan.notes)
+    ref = plan.reference_for(plan.cell("hf-tp1-bs8-default-tbik-score"))
+    assert ref.id == "hf-tp2-bs1-tree-tbik-score"
+
+
+def test_cell_ids_are_stable():
+    plan = expand(Matrix(model="m", tps=(1,), batch_sizes=(1,)))
+    assert [c.id for c in plan.cells] == ["hf-tp1-bs1-default-stock-generate", "hf-tp1-bs1-default-stock-score"]
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"tps": ()}, "--tp is empty"),
+    ({"batch_sizes": ()}, "--batch-size is empty"),
+    ({"modes": ()}, "--mode is empty"),
+    ({"tps": (3,), "kernels": ("tbik",)}, "powers of two"),
+    ({"tps": (16,), "kernels": ("tbik",)}, "powers of two up to 8"),
+    ({"kernels": ("fast",)}, "--kernels 'fast'"),
+    ({"engines": ("tgi",)}, "--engine 'tgi'"),
+    ({"baseline": "hf-tp8-bs1-default-stock"}, "not a cell of the matrix"),
+    ({"batch_sizes": (0,)}, "positive"),
+    ({"tps": (1, 1)}, "lists a value twice"),
+    ({"dtype": "fp8"}, "--dtype"),
+])
+def test_bad_matrix_is_refused(kwargs, message):
+    with pytest.raises(InputError, match=message):
+        expand(Matrix(model="m", **kwargs))
+
+
+@pytest.mark.parametrize("tp, visible, message", [
+    (3, None, "does not divide the model's 16 attention heads"),
+    (16, None, "does not divide the model's 8 key/value heads"),
+    (4, 2, "needs 4 GPUs but 2 are visible"),
+])
+def test_matrix_checked_against_model_and_machine(tp, visible, message):
+    plan = expand(Matrix(model="m", tps=(tp,), device="cuda"))
+    with pytest.raises(InputError, match=message):
+        validate_against_model(plan, QWEN_LIKE, visible)
+
+
+def test_nccl_presets():
+    assert nccl.PRESETS["tree"] == {"NCCL_ALGO": "allreduce:tree"}
+    assert nccl.PRESETS["deterministic"]["NCCL_PROTO"] == "Simple"
+    name, env = nccl.parse_custom("lowlat:NCCL_PROTO=LL,NCCL_ALGO=Ring")
+    assert (name, env) == ("lowlat", {"NCCL_PROTO": "LL", "NCCL_ALGO": "Ring"})
+    with pytest.raises(InputError, match="not an NCCL_"):
+        nccl.parse_custom("x:OMP_NUM_THREADS=4")
+    with pytest.raises(InputError, match="unknown NCCL preset 'fastest'"):
+        nccl.resolve(["fastest"], {})
+
+
+def test_builtin_suites_are_valid_and_documented():
+    names = builtin_suites()
+    assert {"smoke", "default", "chat"} <= set(names)
+    assert len(load_suite("smoke").probes) == 4
+    assert len(load_suite("default").probes) >= 32
+    assert all(p.messages for p in load_suite("chat").probes)
+    readme = (load_suite("smoke").path.parent / "README.md").read_text()
+    for name in names:
+        assert f"`{name}`" in readme
+
+
+@pytest.mark.parametrize("lines, message", [
+    (['{"id": "a", "prompt": "x"}', '{"id": "a", "prompt": "y"}'], ":2: duplicate prompt id 'a' (first on line 1)"),
+    (['{"id": "a", "prompt": "x"}', "not json"], ":2: invalid JSON"),
+    (['{"id": "a"}'], ":1: give exactly one of 'prompt' or 'messages'"),
+    (['{"id": "a", "prompt": "x", "temperature": 1}'], ":1: unknown key"),
+    (['{"id": "", "prompt": "x"}'], ":1: 'id' must be a non-empty string"),
+    (['{"id": "a", "messages": [{"role": "user"}]}'], ":1: 'messages' must be"),
+    (['{"id": "a", "prompt": "x", "max_new_tokens": 0}'], ":1: 'max_new_tokens' must be a positive integer"),
+    ([""], "has no prompts"),
+])
+def test_malformed_probe_files_name_the_line(tmp_path, lines, message):
+    path = tmp_path / "suite.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(InputError, match=json.dumps(message)[1:-1].replace("(", r"\(").replace(")", r"\)")):
+        load_suite(str(path))
+
+
+def test_unknown_suite_lists_the_builtin_ones():
+    with pytest.raises(InputError, match="unknown probe suite 'nope'.*smoke"):
+        load_suite("nope")

@@ -1,0 +1,144 @@
+"""`repaudit run` on CPU with gloo: the issue's acceptance matrix, determinism, resume,
+several nodes on localhost, and running inside an existing torchrun job."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from repaudit import commands
+from repaudit.diff import diff_records
+from repaudit.jobspec import cell_path
+from repaudit.launch import Rendezvous
+from repaudit.plan import Matrix
+from repaudit.records import load_frame
+from repaudit.run import RunOptions
+
+pytestmark = pytest.mark.slow
+
+
+def _sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _run(out: Path, **kw) -> int:
+    matrix = Matrix(model="builtin:tiny-qwen3", device="cpu", dtype="float32", probes="smoke", **kw)
+    return commands.run(matrix, RunOptions(out=out, cell_timeout=600, load_timeout=600))
+
+
+@pytest.fixture(scope="module")
+def matrix_run(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("run") / "tp12"
+    assert _run(out, tps=(1, 2), batch_sizes=(1, 4)) == 0
+    return out
+
+
+def test_matrix_completes_and_finds_the_tp_divergence(matrix_run: Path):
+    manifest = json.loads((matrix_run / "manifest.json").read_text())
+    cells = manifest["cells"]
+    assert len(cells) == 8 and all(c["status"] == "done" for c in cells.values())
+    summary = json.loads((matrix_run / "summary.json").read_text())
+    by_cell = {r["cell"]: r for r in summary["cells"]}
+    for mode in ("generate", "score"):
+        for bs in (1, 4):
+            r = by_cell[f"hf-tp2-bs{bs}-default-stock-{mode}"]
+            assert r["reference"] == f"hf-tp1-bs1-default-stock-{mode}"
+            # fp32 TP=2 moves roughly a third to a half of the logprob bits on CPU; the tool must see it.
+            assert 0.2 < r["bitwise_equal_rate"] < 0.9, r
+            assert not r["passed"] and r["ulp_max"] > 0
+    # Every smoke prompt is recorded, prompt and completion phases both.
+    df = load_frame(cell_path(matrix_run, "hf-tp1-bs1-default-stock-generate"))
+    assert df["prompt_id"].nunique() == 4
+    assert set(df["phase"].astype(str)) == {"prompt", "completion"}
+    assert (df["logprob"].dtype == np.float32) and df["logprob"].le(0).all()
+
+
+def test_score_cells_score_the_reference_generation(matrix_run: Path):
+    gen = load_frame(cell_path(matrix_run, "hf-tp1-bs1-default-stock-generate"))
+    for cid in ("hf-tp1-bs4-default-stock-score", "hf-tp2-bs1-default-stock-score"):
+        score = load_frame(cell_path(matrix_run, cid))
+        for pid, g in gen.groupby("prompt_id", observed=True):
+            s = score[score["prompt_id"] == pid]
+            assert s["pos"].tolist() == g["pos"].tolist()
+            assert s["token_id"].tolist() == g["token_id"].tolist()
+
+
+def test_same_cell_twice_gives_identical_records(tmp_path: Path):
+    for name in ("a", "b"):
+        assert _run(tmp_path / name, tps=(2,), batch_sizes=(4,), modes=("score",)) == 0
+    for cid in ("hf-tp2-bs4-default-stock-generate", "hf-tp2-bs4-default-stock-score"):
+        a, b = cell_path(tmp_path / "a", cid), cell_path(tmp_path / "b", cid)
+        assert diff_records(a, b).identical
+        assert _sha(a) == _sha(b)  # no timestamps: the files themselves are identical
+
+
+def test_resume_recomputes_only_missing_cells(matrix_run: Path):
+    missing = cell_path(matrix_run, "hf-tp2-bs4-default-stock-score")
+    before = {p.name: (p.stat().st_mtime_ns, _sha(p)) for p in (matrix_run / "cells").glob("*.parquet")}
+    missing.unlink()
+    assert _run(matrix_run, tps=(1, 2), batch_sizes=(1, 4)) == 0
+    after = {p.name: (p.stat().st_mtime_ns, _sha(p)) for p in (matrix_run / "cells").glob("*.parquet")}
+    assert after.keys() == before.keys()
+    for name, (mtime, sha) in before.items():
+        if name == missing.name:
+            assert after[name][1] == sha  # recomputed, to the bit
+        else:
+            assert after[name] == (mtime, sha)  # never rewritten
+    manifest = json.loads((matrix_run / "manifest.json").read_text())
+    assert len(manifest["runs"]) == 2
+
+
+def _cli(*args: str, env: dict | None = None) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "repaudit", "run", "--probes", "smoke", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_nodes_on_localhost_match_one_node(matrix_run: Path, tmp_path: Path):
+    endpoint = f"127.0.0.1:{_free_port()}"
+    common = ["--tp", "2", "--batch-size", "4", "--mode", "generate", "--nnodes", "2", "--rdzv-endpoint", endpoint]
+    nodes = [_cli(*common, "--node-rank", str(r), "--out", str(tmp_path / f"node{r}")) for r in (0, 1)]
+    logs = [p.communicate(timeout=600)[0] for p in nodes]
+    assert [p.returncode for p in nodes] == [0, 0], logs
+    cid = "hf-tp2-bs4-default-stock-generate"
+    assert diff_records(cell_path(tmp_path / "node0", cid), cell_path(matrix_run, cid)).identical
+    assert not (tmp_path / "node1" / "cells").exists()  # only global rank 0 writes records
+
+
+def test_inside_an_existing_torchrun_job(matrix_run: Path, tmp_path: Path):
+    out = tmp_path / "inplace"
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                           "-m", "repaudit", "run", "--probes", "smoke", "--tp", "2", "--batch-size", "4",
+                           "--mode", "generate", "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    cid = "hf-tp2-bs4-default-stock-generate"
+    assert diff_records(cell_path(out, cid), cell_path(matrix_run, cid)).identical
+    assert json.loads((out / "manifest.json").read_text())["cells"][cid]["status"] == "done"
+
+
+def test_chat_suite_goes_through_the_chat_template(tmp_path: Path):
+    from repaudit import builtin
+    from repaudit.probes import load_suite
+    from repaudit.run import ModelRef, load_tokenizer, tokenize
+
+    path = builtin.ensure("builtin:tiny-qwen3")
+    tok = load_tokenizer(ModelRef("builtin:tiny-qwen3", path, None), False)
+    prompts = tokenize(load_suite("chat"), tok, None, 16384)
+    im_start = tok.convert_tokens_to_ids("<|im_start|>")
+    for p in prompts:
+        assert p.tokens[0] == im_start
+        assert tok.decode(p.tokens).endswith("<|im_start|>assistant\n")
