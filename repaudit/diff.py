@@ -434,7 +434,9 @@ class _Acc:
             prob = np.abs(np.exp(av) - np.exp(bv))
         self.abs_total.add(av, bv, delta)
         self.abs_max = max(self.abs_max, float(np.abs(delta).max()))
-        self.prob_max = max(self.prob_max, float(prob.max()))
+        # inf - inf where both exps overflow (logprobs > 709.78, which no log-softmax gives):
+        # call it inf, never NaN (a NaN here would win or lose max() depending on batch order)
+        self.prob_max = max(self.prob_max, float(np.where(np.isnan(prob), np.inf, prob).max()))
 
 
 class _ExactSum:
@@ -664,6 +666,8 @@ def verdict(r: DiffResult, th: Thresholds) -> tuple[bool, list[str]]:
             reasons.append(f"{r.comparable - r.bitwise_equal} of {r.comparable} logprobs differ in their bits (max {r.ulp_max} ULP)")
         if r.digest_equal != r.digest_compared:
             reasons.append(f"{r.digest_compared - r.digest_equal} of {r.digest_compared} logits rows differ (row digest)")
+        if r.top1_equal != r.top1_compared:
+            reasons.append(f"{r.top1_compared - r.top1_equal} of {r.top1_compared} positions change their most likely token")
     else:
         if th.max_ulp is not None and r.ulp_max > th.max_ulp:
             reasons.append(f"max ULP {r.ulp_max} > {th.max_ulp}")

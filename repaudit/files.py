@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 from pathlib import Path
@@ -10,6 +11,8 @@ from typing import Any
 
 def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> Path:
     path = Path(path)
+    if not path.parent.is_dir():  # say so about the target, not about the hidden temporary name
+        raise FileNotFoundError(errno.ENOENT, f"directory {path.parent} does not exist", str(path))
     tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
     try:
         with open(tmp, "wb") as fh:

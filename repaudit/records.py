@@ -67,12 +67,17 @@ class RecordMeta:
 
 def _as_array(name: str, values: Any, dtype: np.dtype, n: int | None) -> np.ndarray:
     if hasattr(values, "detach"):  # a torch tensor: take its exact bits, never via Python floats
+        if values.is_floating_point() and values.dtype.itemsize < 4:
+            raise InputError(f"{name} must be float32 (got {values.dtype}); convert explicitly if you mean it")
         values = values.detach().cpu().numpy()
     arr = np.asarray(values)
     if arr.dtype.kind == "f" and np.dtype(dtype).kind == "f" and arr.dtype != dtype:
         raise InputError(f"{name} must be {np.dtype(dtype).name} (got {arr.dtype.name}); convert explicitly if you mean it")
     if arr.dtype.kind == "f" and np.dtype(dtype).kind in "iu":
         raise InputError(f"{name} must be integers (got {arr.dtype.name})")
+    if np.dtype(dtype) == np.int32 and arr.dtype.kind in "iu" and arr.dtype.itemsize >= 4 and arr.dtype != np.int32 and arr.size:
+        if int(arr.min()) < -(1 << 31) or int(arr.max()) >= 1 << 31:  # astype would wrap silently
+            raise InputError(f"{name} has values outside int32")
     arr = arr.astype(dtype, copy=False)
     if n is not None and arr.shape[0] != n:
         raise InputError(f"{name} has {arr.shape[0]} rows, expected {n}")
@@ -140,7 +145,7 @@ def build_table(
     dup = (codes[1:] == codes[:-1]) & (pos_sorted[1:] == pos_sorted[:-1])
     if dup.any():
         i = int(np.flatnonzero(dup)[0])
-        raise InputError(f"duplicate row for (prompt_id={uniq[codes[i]]!r}, pos={int(pos_sorted[i])})")
+        raise InputError(f"duplicate row for (prompt_id={str(uniq[codes[i]])!r}, pos={int(pos_sorted[i])})")
 
     if top1_id is not None:
         top1 = _as_array("top1_id", top1_id, np.int32, n)
@@ -330,10 +335,13 @@ def iter_batches(
 
 
 def load_frame(path: str | os.PathLike):
-    """The whole record as a pandas DataFrame (logprob stays float32)."""
+    """The whole record as a pandas DataFrame (logprob stays float32; row_digest is a nullable
+    UInt64 column, so a missing digest never turns the others into rounded float64)."""
+    import pandas as pd
+
     pf, meta = _validated(Path(path))
     try:
-        df = pf.read().to_pandas()
+        df = pf.read().to_pandas(types_mapper={pa.uint64(): pd.UInt64Dtype()}.get)
     except (pa.ArrowException, OSError) as exc:
         raise InputError(f"{path}: corrupt data: {str(exc).strip().splitlines()[0]}") from None
     df.attrs["repaudit"] = meta

@@ -5,7 +5,6 @@ Rates are truncated, never rounded up: 100% means every row, and 99.99% means no
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from rich.console import Console

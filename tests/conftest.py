@@ -1,0 +1,40 @@
+"""Fixtures shared by the test files. Keep this small, generic and cheap to import:
+no torch, no TRITON_INTERPRET (test files that need them set them up themselves)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+
+# A fixed environment fingerprint: passing one stops write_record from importing torch to
+# take the real one, and keeps records from two calls comparable field by field.
+TEST_ENV: dict[str, Any] = {"repaudit": "test", "torch": "2.0.0", "cuda": None, "gpus": [], "vars": {}}
+TEST_PROBES: dict[str, Any] = {"name": "unit", "sha256": "0" * 64}
+TEST_MODEL: dict[str, Any] = {"id": "unit/model", "weights_sha256": None}
+TEST_TOKENIZER: dict[str, Any] = {"name": "unit-tokenizer", "sha256": "1" * 64}
+
+
+@pytest.fixture
+def make_record(tmp_path: Path) -> Callable[..., Path]:
+    """make_record(name, prompt_id=..., pos=..., logprob=..., **write_record_kwargs) -> path.
+
+    Writes tmp_path/name with repaudit.records.write_record. token_id defaults to pos, the
+    metadata (cell, env, probes, model, tokenizer) to fixed test values; any keyword of
+    write_record overrides them. The cell id defaults to the file name's stem.
+    """
+    from repaudit.records import write_record
+
+    def make(name: str = "a.parquet", **kw: Any) -> Path:
+        path = tmp_path / name
+        kw.setdefault("token_id", kw["pos"])
+        kw.setdefault("cell", {"id": path.stem})
+        kw.setdefault("env", dict(TEST_ENV))
+        kw.setdefault("probes", dict(TEST_PROBES))
+        kw.setdefault("model", dict(TEST_MODEL))
+        kw.setdefault("tokenizer", dict(TEST_TOKENIZER))
+        write_record(path, **kw)
+        return path
+
+    return make
