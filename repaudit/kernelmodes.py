@@ -1,13 +1,167 @@
-"""Kernel modes for the transformers engine: stock (engine defaults), bi, tbik."""
+"""Kernel modes of the transformers engine, switched per cell inside one loaded model.
+
+- stock: the engine's defaults.
+- bi: batch-invariant. Every matmul (aten mm/addmm), log-softmax and last-dim mean goes to
+  tbik's fixed-configuration kernels, attention to tbik's attention (fixed KV blocks counted
+  from each sequence's first real token). Row-parallel layers still sum their bf16 outputs
+  with the stock all-reduce, so bits move with the TP size.
+- tbik: bi, plus the TBIK tree: every matmul cuts K into tbik.NUM_CHUNKS chunks combined in
+  one pairwise tree, and each row-parallel layer returns its rank's fp32 subtree root, which
+  tbik.tree_all_reduce combines in the same pairwise order on every rank before the one
+  cast. TP=1 and TP=P then add the same numbers in the same order.
+
+The switch lives here, not in model files: it reads the model's own TP plan, so any family
+whose plan uses colwise/rowwise linear layers is covered; anything else is refused by name.
+"""
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Iterator
+
+import torch
+
+# TP styles whose forward tbik can take over or leave alone without changing invariance.
+_COLUMN = {"colwise", "colwise_rep", "colwise_gather_output"}  # K whole: the aten override covers them
+_ROW = {"rowwise", "rowwise_rep"}  # K sharded: partial + tree all-reduce
+_NEUTRAL = {"replicated_with_grad_allreduce", "embedding_rowwise"}  # no reduction, or sums of exact zeros
+
+ATTENTION_NAME = "repaudit_tbik"
+
+
+class UnsupportedLayer(Exception):
+    """A layer tbik cannot make invariant; the message names it."""
+
+
+def _tp_styles(model: torch.nn.Module) -> dict[str, str]:
+    """Module name -> TP style, from transformers' resolved plan."""
+    from transformers.distributed.tensor_parallel import _get_parameter_tp_plan
+
+    plan = getattr(model, "tp_plan", None) or {}
+    styles = {}
+    for name, _ in model.named_modules():
+        style = _get_parameter_tp_plan(parameter_name=name, tp_plan=plan, is_weight=False) if plan else None
+        if style:
+            styles[name] = style
+    return styles
+
+
+def check_supported(model: torch.nn.Module, tp: int) -> None:
+    """Refuse, naming the layer, what the tree kernels cannot cover."""
+    cfg = model.config.get_text_config()
+    if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True):
+        raise UnsupportedLayer(f"sliding-window attention ({type(model).__name__}) is not covered by tbik's attention")
+    if tp == 1:
+        return
+    for name, style in _tp_styles(model).items():
+        module = model.get_submodule(name)
+        if style in _NEUTRAL:
+            continue
+        if style in _COLUMN | _ROW and isinstance(module, torch.nn.Linear):
+            continue
+        raise UnsupportedLayer(f"layer {name!r} ({type(module).__name__}, TP style {style!r}) is not covered by the tbik kernels")
+
+
+def _register_attention() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, flash_attention_mask
+
+    AttentionInterface.register(ATTENTION_NAME, _attention)
+    # A 2-D padding mask (or None): the kernel needs where each sequence starts, not a dense mask.
+    ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION_NAME, flash_attention_mask)
+
+
+def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    import tbik
+
+    if kwargs.get("sliding_window"):
+        raise UnsupportedLayer(f"sliding-window attention in {type(module).__name__}")
+    batch = query.shape[0]
+    if attention_mask is None:
+        start = torch.zeros(batch, dtype=torch.int32, device=query.device)
+    else:
+        mask = attention_mask.bool()
+        start = mask.int().argmax(dim=1).to(torch.int32)  # first real key; left padding ends there
+    out = tbik.attention(query, key, value, start=start, scale=scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _row_parallel_forward(module: torch.nn.Linear, group, tp: int):
+    """y = tree_all_reduce(fp32 partial of this rank's K shard) + bias, then one cast."""
+    import tbik
+    from torch.distributed.tensor import DTensor
+
+    def local(p):
+        return p.to_local() if isinstance(p, DTensor) else p
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        if isinstance(x, DTensor):
+            x = x.to_local()
+        weight = local(module.weight)
+        x2 = x.reshape(-1, x.shape[-1])
+        root = tbik.tree_all_reduce(tbik.matmul_partial(x2, weight.t(), tp_size=tp), group)
+        if module.bias is not None:
+            root = root + local(module.bias).float()
+        return root.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
+
+    return forward
 
 
 @contextmanager
-def kernel_mode(model, mode: str) -> Iterator[None]:
-    if mode != "stock":
-        raise NotImplementedError(f"kernel mode {mode!r} is not available yet")
-    yield
+def _row_parallel_tree(model: torch.nn.Module, tp: int) -> Iterator[None]:
+    if tp == 1:  # nothing is sharded: the aten override already runs the whole tree in one kernel
+        yield
+        return
+    import torch.distributed as dist
+
+    replaced = []
+    for name, style in _tp_styles(model).items():
+        if style in _ROW:
+            module = model.get_submodule(name)
+            replaced.append((module, module.__dict__.get("forward")))
+            module.forward = _row_parallel_forward(module, dist.group.WORLD, tp)
+    try:
+        yield
+    finally:
+        for module, original in replaced:
+            if original is None:
+                del module.forward
+            else:
+                module.forward = original
+
+
+@contextmanager
+def _attention_impl(model: torch.nn.Module, name: str) -> Iterator[None]:
+    configs = {id(c): c for c in [model.config, *(getattr(m, "config", None) for m in model.modules())] if c is not None}
+    before = {k: c._attn_implementation for k, c in configs.items()}
+    for c in configs.values():
+        c._attn_implementation = name
+    try:
+        yield
+    finally:
+        for k, c in configs.items():
+            c._attn_implementation = before[k]
+
+
+@contextmanager
+def kernel_mode(hfm, mode: str) -> Iterator[None]:
+    """Run the body with the cell's kernels; the model is back to stock afterwards."""
+    if mode == "stock":
+        yield
+        return
+    if mode not in ("bi", "tbik"):
+        raise ValueError(f"unknown kernel mode {mode!r}")
+    import tbik
+
+    check_supported(hfm.model, hfm.tp)
+    _register_attention()
+    chunks = tbik.NUM_CHUNKS if mode == "tbik" else 1
+    with ExitStack() as stack:
+        stack.enter_context(tbik.batch_invariant_mode(hfm.device.type, num_chunks=chunks))
+        stack.enter_context(_attention_impl(hfm.model, ATTENTION_NAME))
+        if mode == "tbik":
+            stack.enter_context(_row_parallel_tree(hfm.model, hfm.tp))
+        previous = hfm.log_softmax
+        hfm.log_softmax = lambda x: tbik.log_softmax(x, -1)
+        stack.callback(setattr, hfm, "log_softmax", previous)
+        yield

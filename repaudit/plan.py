@@ -193,6 +193,12 @@ class ModelShape:
     intermediate_size: int
     vocab_size: int
     tp_styles: dict[str, str]
+    sliding_window: bool = False
+
+
+# TP styles the invariant kernel modes cover (see repaudit/kernelmodes.py).
+INVARIANT_STYLES = {"colwise", "colwise_rep", "colwise_gather_output", "rowwise", "rowwise_rep",
+                    "replicated_with_grad_allreduce", "embedding_rowwise"}
 
 
 def validate_against_model(plan: Plan, shape: ModelShape, visible_devices: int | None, nnodes: int = 1) -> None:
@@ -208,3 +214,11 @@ def validate_against_model(plan: Plan, shape: ModelShape, visible_devices: int |
             raise InputError(f"--tp {tp} needs {tp} GPUs but {visible_devices * nnodes} are visible")
         if tp > 1 and not shape.tp_styles:
             raise InputError(f"model type {shape.model_type!r} has no tensor-parallel plan in transformers; use --tp 1")
+    invariant = [k for k in plan.matrix.kernels if k != "stock"]
+    if invariant:
+        if shape.sliding_window:
+            raise InputError(f"--kernels {','.join(invariant)}: {shape.model_type}'s sliding-window attention is not covered by tbik's attention")
+        if any(c.tp > 1 for c in plan.cells):
+            for layer, style in sorted(shape.tp_styles.items()):
+                if style not in INVARIANT_STYLES:
+                    raise InputError(f"--kernels {','.join(invariant)}: layer {layer!r} (TP style {style!r}) is not covered by the tbik kernels")

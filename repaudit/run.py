@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from . import builtin
@@ -86,13 +87,22 @@ def _hub_weights_id(path: Path) -> str | None:
     return hashlib.sha256("".join(blobs).encode()).hexdigest()
 
 
+def _load_error(ref: ModelRef, what: str, exc: Exception) -> InputError:
+    """One line, whatever transformers wrote; a refusal to run the model's own code says how to allow it."""
+    if "trust_remote_code" in str(exc):
+        return InputError(f"--model {ref.id}: its {what} needs custom code from the model repository, which repaudit "
+                          f"does not run unless you pass --trust-remote-code (inspect the code first)")
+    text = " ".join(str(exc).split())
+    return InputError(f"--model {ref.id}: cannot read its {what} ({type(exc).__name__}: {text[:300]})")
+
+
 def load_tokenizer(ref: ModelRef, trust_remote_code: bool):
     from transformers import AutoTokenizer
 
     try:
         return AutoTokenizer.from_pretrained(ref.path, trust_remote_code=trust_remote_code)
     except Exception as exc:
-        raise InputError(f"--model {ref.id}: cannot load its tokenizer ({type(exc).__name__}: {exc})") from None
+        raise _load_error(ref, "tokenizer", exc) from None
 
 
 def tokenizer_meta(tok, model_id: str) -> dict[str, Any]:
@@ -130,7 +140,7 @@ def model_shape(ref: ModelRef, trust_remote_code: bool) -> tuple[ModelShape, int
     try:
         full = AutoConfig.from_pretrained(ref.path, trust_remote_code=trust_remote_code)
     except Exception as exc:
-        raise InputError(f"--model {ref.id}: cannot read its config ({type(exc).__name__}: {exc})") from None
+        raise _load_error(ref, "config", exc) from None
     cfg = full.get_text_config()
     styles = dict(getattr(cfg, "base_model_tp_plan", None) or {})
     try:
@@ -144,6 +154,7 @@ def model_shape(ref: ModelRef, trust_remote_code: bool) -> tuple[ModelShape, int
         model_type=full.model_type, num_attention_heads=cfg.num_attention_heads,
         num_key_value_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
         intermediate_size=getattr(cfg, "intermediate_size", 0) or 0, vocab_size=cfg.vocab_size, tp_styles=styles,
+        sliding_window=bool(getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True)),
     )
     return shape, getattr(cfg, "max_position_embeddings", None)
 
@@ -201,7 +212,7 @@ def _job_env(group_env: dict[str, str], device: str, cpu_threads: int) -> dict[s
     env["PYTHONUNBUFFERED"] = "1"
     env["OMP_NUM_THREADS"] = str(cpu_threads)
     if device == "cpu":
-        env["TRITON_INTERPRET"] = "1"  # tbik kernels run on CPU tensors through Triton's interpreter
+        env.pop("TRITON_INTERPRET", None)  # tbik's CPU backend, not Triton's (far slower) interpreter
         env["CUDA_VISIBLE_DEVICES"] = ""
     return env
 
@@ -218,6 +229,8 @@ def run(matrix: Matrix, opts: RunOptions, console: Console | None = None) -> int
         import torch
 
         visible = torch.cuda.device_count()
+        if not visible:
+            raise InputError("--device cuda: no CUDA GPU is visible (torch.cuda.device_count() is 0); use --device cpu")
     validate_against_model(plan, shape, visible, opts.rdzv.nnodes)
     if "vllm" in matrix.engines:
         from .engines import vllm_engine
@@ -233,7 +246,7 @@ def run(matrix: Matrix, opts: RunOptions, console: Console | None = None) -> int
     if reference_cell is not None and reference_cell not in plan.cells:
         plan = expand_with(plan, reference_cell)
     for note in plan.notes:
-        console.print(f"[dim]note: {note}[/]")
+        console.print(f"[dim]note: {escape(note)}[/]")
 
     # Every node derives the same rendezvous id from the same command, wherever its --out is.
     opts.rdzv.run_id = "repaudit-" + hashlib.sha256(json.dumps(_matrix_json(plan), sort_keys=True).encode()).hexdigest()[:12]
@@ -291,7 +304,7 @@ def run(matrix: Matrix, opts: RunOptions, console: Console | None = None) -> int
         print_summary(summary, console)
     failed = [cid for cid, c in manifest.data["cells"].items() if cid in settings and c.get("status") != "done"]
     if failed:
-        console.print(f"[red]{len(failed)} cell(s) did not complete: {', '.join(failed)}[/] (reasons in {run_dir / 'manifest.json'})")
+        console.print(f"[red]{len(failed)} cell(s) did not complete: {', '.join(failed)}[/] (reasons in {escape(str(run_dir / 'manifest.json'))})")
         return 1
     if opts.gate and not summary["passed"]:
         return 1
@@ -346,6 +359,8 @@ def _run_groups(plan, opts, run_dir, manifest, settings, already, prompts, ref, 
 
         def on_event(ev: dict) -> None:
             kind, cid = ev["event"], ev.get("cell")
+            if ev.get("rank", 0) != 0 and kind in ("cell_start", "progress", "cell_done", "cell_failed"):
+                return  # every rank reports; rank 0 speaks for the job (the launcher weighs all ranks)
             if kind == "cell_start":
                 progress.update(tokens_task, description=f"  {cid}", completed=0, total=1, visible=True)
                 if leader:
@@ -358,7 +373,7 @@ def _run_groups(plan, opts, run_dir, manifest, settings, already, prompts, ref, 
                 rate = t.get("decode_tokens_per_s") or t.get("prefill_tokens_per_s")
                 progress.console.print(f"[green]done[/] {cid}  {ev['seconds']:.1f}s" + (f"  {rate:,.0f} tok/s" if rate else ""))
             elif kind == "cell_failed":
-                progress.console.print(f"[red]failed[/] {cid}: {ev['reason']}")
+                progress.console.print(f"[red]failed[/] {cid}: {escape(ev['reason'])}")
 
         for group in plan.groups:
             if stop:
@@ -396,7 +411,7 @@ def _run_groups(plan, opts, run_dir, manifest, settings, already, prompts, ref, 
                         fields["status"] = "pending"
                     manifest.cell(cid).update(fields)
                     if oc.status not in ("done", "skipped", "interrupted"):
-                        progress.console.print(f"[red]{oc.status}[/] {cid}: {oc.reason}")
+                        progress.console.print(f"[red]{oc.status}[/] {cid}: {escape(str(oc.reason))}")
                 manifest.save()
 
 
@@ -406,8 +421,6 @@ def _run_inplace(spec: JobSpec, job_dir: Path, nccl_env: dict[str, str], on_even
     from .worker import run_job
 
     os.environ.update(nccl_env)  # read by NCCL when the worker creates its communicator
-    if spec.device == "cpu":
-        os.environ.setdefault("TRITON_INTERPRET", "1")
     spec.events_dir = str(job_dir / f"{spec.group_id}.inplace")
     run_job(spec)
     outcome = GroupOutcome(attempts=1)

@@ -107,3 +107,14 @@ def test_malformed_probe_files_name_the_line(tmp_path, lines, message):
 def test_unknown_suite_lists_the_builtin_ones():
     with pytest.raises(InputError, match="unknown probe suite 'nope'.*smoke"):
         load_suite("nope")
+
+
+def test_invariant_kernels_refuse_layers_they_cannot_cover():
+    moe = ModelShape("mixtral", 16, 8, 192, 384, {"layers.*.mlp.experts": "moe_tp_experts", "layers.*.self_attn.o_proj": "rowwise"})
+    plan = expand(Matrix(model="m", tps=(1, 2), kernels=("stock", "tbik")))
+    with pytest.raises(InputError, match="layer 'layers.\\*.mlp.experts' \\(TP style 'moe_tp_experts'\\) is not covered"):
+        validate_against_model(plan, moe, None)
+    validate_against_model(expand(Matrix(model="m", tps=(1, 2))), moe, None)  # stock runs it
+    windowed = ModelShape("mistral", 16, 8, 192, 384, QWEN_LIKE.tp_styles, sliding_window=True)
+    with pytest.raises(InputError, match="sliding-window attention is not covered"):
+        validate_against_model(expand(Matrix(model="m", tps=(1,), kernels=("bi",))), windowed, None)

@@ -1,0 +1,70 @@
+"""Two fixes that keep Triton 3.6's CPU interpreter (TRITON_INTERPRET=1) usable for these kernels.
+
+1. The interpreter holds every scalar as a one-element array and turns it into a Python int
+   with int(array) wherever a loop bound needs one; NumPy 2.4 made that an error for arrays of
+   one dimension, which breaks every kernel with a run-time loop bound.
+2. The interpreter stores bfloat16 as raw uint16 and its tl.dot multiplies those integers.
+   Operands are widened to fp32 (exact). And its dot is an np.matmul, i.e. BLAS, whose result
+   for one row was seen to depend on where the row sits in the tile (so a kernel could never
+   be batch-invariant there); the dot here sums the K products of a tile in index order,
+   the same for every row and column, then adds the accumulator, as one MMA tile step does.
+3. Its fp32 -> bf16 cast truncates; GPUs and torch round to nearest even, so it does too.
+Nothing is patched when the interpreter is off; each fix is applied once.
+"""
+
+import os
+
+
+def apply() -> None:
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("1", "true", "True"):
+        return
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    if getattr(interpreter, "_tbik_patched", False):
+        return
+    interpreter._tbik_patched = True
+
+    try:
+        int(np.zeros(1, dtype=np.int32))
+    except TypeError:
+        patch_lang_tensor = interpreter._patch_lang_tensor
+
+        def patch_index(tensor, scope):
+            patch_lang_tensor(tensor, scope)
+            scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0].item()))
+
+        interpreter._patch_lang_tensor = patch_index
+
+    create_dot = interpreter.InterpreterBuilder.create_dot
+
+    def widen(h):
+        if h.dtype.scalar == tl.bfloat16:
+            return interpreter.TensorHandle((h.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
+        if h.dtype.scalar == tl.float16:
+            return interpreter.TensorHandle(h.data.astype(np.float32), tl.float32)
+        return h
+
+    def create_dot_ordered(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if a.dtype.scalar.is_int() or d.dtype.scalar != tl.float32:
+            return create_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+        a, b = widen(a).data.astype(np.float32), widen(b).data.astype(np.float32)
+        products = a[..., :, :, None] * b[..., None, :, :]  # [.., M, K, N]
+        # A reduction over a non-innermost axis adds the K slices one after the other.
+        return interpreter.TensorHandle(products.sum(axis=-2, dtype=np.float32) + d.data, tl.float32)
+
+    interpreter.InterpreterBuilder.create_dot = create_dot_ordered
+
+    cast_impl = interpreter.InterpreterBuilder.cast_impl
+
+    def cast_rne(self, src, dst_type):
+        if src.dtype.scalar != tl.float32 or dst_type.scalar != tl.bfloat16:
+            return cast_impl(self, src, dst_type)
+        bits = np.ascontiguousarray(src.data, dtype=np.float32).view(np.uint32)
+        rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+        nan = np.isnan(src.data)
+        rounded[nan] = ((bits[nan] >> 16) | 0x40).astype(np.uint16)  # stay a (quiet) NaN
+        return interpreter.TensorHandle(rounded, tl.bfloat16)
+
+    interpreter.InterpreterBuilder.cast_impl = cast_rne

@@ -1,0 +1,97 @@
+"""tbik tree_sum and tree_all_reduce on CPU: gloo process groups of 2 and 4, bitwise."""
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported (also inherited by workers)
+
+import socket  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+import tbik  # noqa: E402
+from tbik.allreduce import _tree_sum_triton  # noqa: E402
+
+M, K, N = 3, 512, 40
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def operands():
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(M, K, generator=g).bfloat16(), torch.randn(N, K, generator=g).bfloat16()
+
+
+def worker(rank: int, world: int, port: int, results) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        x, w = operands()
+        shard = K // world
+        partial = tbik.matmul_partial(x[:, rank * shard:(rank + 1) * shard], w.t()[rank * shard:(rank + 1) * shard],
+                                      tp_size=world)
+        noise = torch.randn(1000, generator=torch.Generator().manual_seed(rank)) * 10.0 ** rank
+        results[rank] = (tbik.tree_all_reduce(partial), tbik.tree_all_reduce(noise))
+    finally:
+        dist.destroy_process_group()
+
+
+def bad_world_worker(rank: int, world: int, port: int, results) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        tbik.tree_all_reduce(torch.ones(4))
+    except ValueError as err:
+        results[rank] = str(err)
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(fn, world):
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(fn, args=(world, free_port(), results), nprocs=world, join=True)
+        return dict(results)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+def test_tree_all_reduce_gloo_identical_bits_on_every_rank(world):
+    results = spawn(worker, world)
+    x, w = operands()
+    expected = tbik.tree_matmul(x, w.t(), out_dtype=torch.float32)
+    noise = tbik.tree_sum([torch.randn(1000, generator=torch.Generator().manual_seed(r)) * 10.0**r
+                           for r in range(world)])
+    for rank in range(world):
+        got, got_noise = results[rank]
+        assert torch.equal(got.view(torch.int32), expected.view(torch.int32))
+        assert torch.equal(got_noise.view(torch.int32), noise.view(torch.int32))
+
+
+@pytest.mark.slow
+def test_tree_all_reduce_rejects_non_power_of_two_groups():
+    results = spawn(bad_world_worker, 3)
+    assert len(results) == 3 and all("power of two" in msg for msg in results.values())
+
+
+def test_tree_sum_order_and_forms():
+    parts = [torch.randn(257, generator=torch.Generator().manual_seed(r)) * 10.0**r for r in range(8)]
+    expected = ((parts[0] + parts[1]) + (parts[2] + parts[3])) + ((parts[4] + parts[5]) + (parts[6] + parts[7]))
+    assert torch.equal(tbik.tree_sum(parts).view(torch.int32), expected.view(torch.int32))
+    assert torch.equal(tbik.tree_sum(torch.stack(parts)).view(torch.int32), expected.view(torch.int32))
+    single = tbik.tree_sum(parts[:1])
+    assert torch.equal(single, parts[0]) and single is not parts[0]
+    with pytest.raises(ValueError, match="power of two"):
+        tbik.tree_sum(parts[:3])
+
+
+@pytest.mark.parametrize("p", [1, 2, 4, 8])
+def test_fused_tree_sum_kernel_matches_torch_adds(p):
+    # The CUDA path (one Triton kernel over the gathered buffer), run by the interpreter.
+    scales = torch.logspace(0, 6, p)[:, None, None]
+    stacked = torch.randn(p, 3, 700, generator=torch.Generator().manual_seed(p)) * scales
+    assert torch.equal(_tree_sum_triton(stacked).view(torch.int32), tbik.tree_sum(list(stacked)).view(torch.int32))

@@ -1,0 +1,223 @@
+"""tbik invariance on a CUDA GPU at Qwen3-8B sizes (hidden 4096, MLP 12288, vocab 151936).
+
+Skipped cleanly without CUDA. Run by benchmarks/gpu_kernels.sh on the lent GPU machine.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+if torch.cuda.is_available():
+    import tbik
+    from tbik.allreduce import _tree_sum_torch
+
+INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
+HIDDEN, MLP, VOCAB = 4096, 12288, 151936
+
+
+def assert_bits_equal(x: torch.Tensor, y: torch.Tensor) -> None:
+    assert x.dtype == y.dtype and x.shape == y.shape
+    xi, yi = x.contiguous().view(INT_VIEW[x.dtype]), y.contiguous().view(INT_VIEW[y.dtype])
+    if not torch.equal(xi, yi):
+        raise AssertionError(f"{(xi != yi).sum().item()} of {x.numel()} elements differ in their bits")
+
+
+def operands(m, k, n, dtype=torch.bfloat16, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(m, k, generator=g, device="cuda").to(dtype)
+    w = (torch.randn(n, k, generator=g, device="cuda") / k**0.5).to(dtype)
+    return x, w
+
+
+def rel_err(got, ref):
+    return ((got.double() - ref).norm() / ref.norm()).item()
+
+
+# ---------------------------------------------------------------- matmul
+
+
+@pytest.mark.parametrize("n,k", [(HIDDEN, MLP), (HIDDEN, HIDDEN), (MLP, HIDDEN)])
+@pytest.mark.parametrize("num_chunks", [8, 16])
+def test_tp_shards_reproduce_tp1(n, k, num_chunks):
+    for m in (1, 37, 512):
+        x, w = operands(m, k, n, seed=m)
+        full = tbik.tree_matmul(x, w.t(), num_chunks=num_chunks, out_dtype=torch.float32)
+        for tp in (1, 2, 4, 8):
+            s = k // tp
+            parts = [tbik.matmul_partial(x[:, r * s:(r + 1) * s], w.t()[r * s:(r + 1) * s], tp_size=tp,
+                                         num_chunks=num_chunks) for r in range(tp)]
+            assert_bits_equal(tbik.tree_sum(parts), full)
+
+
+@pytest.mark.parametrize("n,k", [(HIDDEN, HIDDEN), (MLP, HIDDEN), (HIDDEN, MLP)])
+@pytest.mark.parametrize("num_chunks", [1, 8])
+def test_rows_do_not_depend_on_batch_size(n, k, num_chunks):
+    x, w = operands(4096, k, n, seed=1)
+    bias = torch.randn(n, device="cuda").to(torch.bfloat16)
+    full = tbik.tree_matmul(x, w.t(), bias, num_chunks=num_chunks)
+    for m in (1, 2, 8, 32, 100, 128, 512, 2048):
+        for first in (0, 1111):
+            assert_bits_equal(tbik.tree_matmul(x[first:first + m], w.t(), bias, num_chunks=num_chunks),
+                              full[first:first + m])
+
+
+def test_every_execution_strategy_gives_the_same_bits():
+    x, w = operands(300, MLP, HIDDEN, seed=2)
+    for num_chunks in (8, 16):
+        ref = tbik.tree_matmul(x, w.t(), num_chunks=num_chunks, out_dtype=torch.float32, _split=1)
+        split = 2
+        while split <= num_chunks:
+            assert_bits_equal(tbik.tree_matmul(x, w.t(), num_chunks=num_chunks, out_dtype=torch.float32,
+                                               _split=split), ref)
+            split *= 2
+
+
+def test_lm_head_column_shards_and_rows():
+    x, w = operands(64, HIDDEN, VOCAB, seed=3)
+    full = tbik.tree_matmul(x, w.t(), out_dtype=torch.float32)
+    for tp in (2, 4, 8):
+        n = VOCAB // tp
+        for r in (0, tp - 1):
+            assert_bits_equal(tbik.tree_matmul(x, w[r * n:(r + 1) * n].t(), out_dtype=torch.float32),
+                              full[:, r * n:(r + 1) * n])
+    assert_bits_equal(tbik.tree_matmul(x[5:6], w.t(), out_dtype=torch.float32), full[5:6])
+
+
+def test_column_parallel_mlp_shards():
+    x, w = operands(200, HIDDEN, MLP, seed=4)
+    full = tbik.tree_matmul(x, w.t())
+    for tp in (2, 4, 8):
+        n = MLP // tp
+        for r in range(tp):
+            assert_bits_equal(tbik.tree_matmul(x, w[r * n:(r + 1) * n].t()), full[:, r * n:(r + 1) * n])
+
+
+def test_strides_and_ragged_k():
+    x, w = operands(33, 4000, 1000, seed=5)  # K % 8 == 0 but chunk 500 is not a tile multiple
+    ref = x.double() @ w.double().t()
+    got = tbik.tree_matmul(x, w.t(), out_dtype=torch.float32)
+    assert_bits_equal(tbik.tree_matmul(x, w.t().contiguous(), out_dtype=torch.float32), got)
+    assert_bits_equal(tbik.tree_matmul(x.t().contiguous().t(), w.t(), out_dtype=torch.float32), got)
+    assert rel_err(got, ref) < 1e-5
+    xr, wr = x[:, :3999], w[:, :3999]  # K % 8 != 0: zero-padded last chunk
+    got = tbik.tree_matmul(xr, wr.t(), out_dtype=torch.float32)
+    padded = tbik.tree_matmul(F.pad(xr, (0, 1)), F.pad(wr, (0, 1)).t(), out_dtype=torch.float32)
+    assert_bits_equal(got, padded)
+
+
+def test_accuracy_matches_cublas():
+    for n, k in [(HIDDEN, HIDDEN), (HIDDEN, MLP)]:
+        x, w = operands(512, k, n, seed=6)
+        ref = x.double() @ w.double().t()
+        cublas = rel_err(x @ w.t(), ref)
+        tree = rel_err(tbik.tree_matmul(x, w.t()), ref)
+        assert tree <= 1.1 * cublas, (tree, cublas)  # both dominated by the final bf16 rounding
+        tree32 = rel_err(tbik.tree_matmul(x, w.t(), out_dtype=torch.float32), ref)
+        assert tree32 < 1e-5  # fp32 accumulation, fp32 partials
+    x, w = operands(256, HIDDEN, 512, dtype=torch.float32, seed=7)
+    ref = x.double() @ w.double().t()
+    assert rel_err(tbik.tree_matmul(x, w.t()), ref) < 1e-6  # IEEE fp32, not tf32 (~1e-4)
+
+
+def test_direct_launch_gives_the_same_bits():
+    # The first call goes through Triton's launch path (and compiles), later ones through the
+    # cached compiled handle; both must run the same binary.
+    from tbik import matmul as tm
+
+    x, w = operands(48, HIDDEN, 1024, seed=8)
+    first = tbik.tree_matmul(x, w.t(), out_dtype=torch.float32, _split=4)
+    for _ in range(3):
+        assert_bits_equal(tbik.tree_matmul(x, w.t(), out_dtype=torch.float32, _split=4), first)
+    assert tm._kernel.direct and tm._kernel.compiled
+
+
+def test_fused_tree_sum_matches_torch_adds():
+    for p in (2, 4, 8):
+        stacked = torch.randn(p, 32, HIDDEN, device="cuda") * torch.logspace(0, 6, p, device="cuda")[:, None, None]
+        assert_bits_equal(tbik.tree_sum(stacked), _tree_sum_torch(list(stacked)))
+
+
+# ---------------------------------------------------------------- invariant ops
+
+
+def test_log_softmax_and_rms_norm_batch_invariant():
+    logits = torch.randn(512, VOCAB, device="cuda") * 3
+    full = tbik.log_softmax(logits)
+    for lo, hi in ((0, 1), (100, 108), (7, 300)):
+        assert_bits_equal(tbik.log_softmax(logits[lo:hi]), full[lo:hi])
+    assert (full - torch.log_softmax(logits.double(), -1)).abs().max().item() < 1e-4
+    x = torch.randn(2048, HIDDEN, device="cuda").bfloat16()
+    w = (1 + 0.1 * torch.randn(HIDDEN, device="cuda")).bfloat16()
+    full = tbik.rms_norm(x, w, 1e-6)
+    for lo, hi in ((0, 1), (1000, 1032)):
+        assert_bits_equal(tbik.rms_norm(x[lo:hi], w, 1e-6), full[lo:hi])
+    heads = x.view(2048, 32, 128)
+    assert_bits_equal(tbik.rms_norm(heads[:5, :8], w[:128], 1e-6), tbik.rms_norm(heads, w[:128], 1e-6)[:5, :8])
+
+
+def _sequences(lengths, hq=32, hkv=8, d=128, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+
+    def r(*shape):
+        return torch.randn(*shape, generator=g, device="cuda").bfloat16()
+
+    return [(r(hq, t, d), r(hkv, t, d), r(hkv, t, d)) for t in lengths]
+
+
+def _left_pad(seqs, width):
+    qs, ks, vs, pads = [], [], [], []
+    for q, k, v in seqs:
+        pad = width - k.shape[1]
+        pads.append(pad)
+        qs.append(F.pad(q, (0, 0, pad, 0), value=7.0))  # garbage in the padding
+        ks.append(F.pad(k, (0, 0, pad, 0), value=-3.0))
+        vs.append(F.pad(v, (0, 0, pad, 0), value=5.0))
+    return torch.stack(qs), torch.stack(ks), torch.stack(vs), torch.tensor(pads, device="cuda", dtype=torch.int32)
+
+
+def test_attention_invariances():
+    seqs = _sequences([2048, 700, 1500, 64])
+    alone = [tbik.attention(q[None], k[None], v[None]) for q, k, v in seqs]
+    # (a) batch size and left padding
+    for width in (2048, 2100):
+        q, k, v, start = _left_pad(seqs, width)
+        out = tbik.attention(q, k, v, start=start)
+        for b, pad in enumerate(start.tolist()):
+            assert_bits_equal(out[b:b + 1, :, pad:], alone[b])
+    # (b) heads per call: TP 2, 4, 8 shards of 32 query / 8 kv heads
+    q, k, v = (t[None] for t in seqs[0])
+    for tp in (2, 4, 8):
+        hq, hk = 32 // tp, 8 // tp
+        for r in (0, tp - 1):
+            shard = tbik.attention(q[:, r * hq:(r + 1) * hq], k[:, r * hk:(r + 1) * hk], v[:, r * hk:(r + 1) * hk])
+            assert_bits_equal(shard, alone[0][:, r * hq:(r + 1) * hq])
+    # (c) decode steps equal the prefill rows, alone and inside a padded batch of 4
+    for pos in (0, 63, 64, 1000, 2047):
+        step = tbik.attention(q[:, :, pos:pos + 1], k[:, :, :pos + 1], v[:, :, :pos + 1])
+        assert_bits_equal(step, alone[0][:, :, pos:pos + 1])
+    qb, kb, vb, start = _left_pad(seqs, 2100)
+    step = tbik.attention(qb[:, :, -1:], kb, vb, start=start)
+    for b in range(4):
+        assert_bits_equal(step[b:b + 1], alone[b][:, :, -1:])
+
+
+def test_attention_accuracy():
+    (q, k, v), = _sequences([512], hq=8, hkv=2)
+    out = tbik.attention(q[None], k[None], v[None])
+    ref = F.scaled_dot_product_attention(q[None].double(), k[None].double().repeat_interleave(4, 1),
+                                         v[None].double().repeat_interleave(4, 1), is_causal=True)
+    assert (out.double() - ref).abs().max().item() < 2e-2
+
+
+def test_batch_invariant_mode_on_cuda():
+    lin = torch.nn.Linear(HIDDEN, 1024, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(64, HIDDEN, device="cuda").bfloat16()
+    with torch.no_grad(), tbik.batch_invariant_mode("cuda", num_chunks=8):
+        full = lin(x)
+        one = lin(x[9:10])
+        ls = torch.log_softmax(full.float(), -1)
+    assert_bits_equal(one, full[9:10])
+    assert_bits_equal(full, tbik.tree_matmul(x, lin.weight.t(), lin.bias))
+    assert_bits_equal(ls, tbik.log_softmax(full.float()))

@@ -1,0 +1,191 @@
+"""tbik log-softmax, RMSNorm, mean, attention and batch-invariant mode on CPU (Triton interpreter)."""
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import tbik  # noqa: E402
+
+INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
+
+
+def assert_bits_equal(x: torch.Tensor, y: torch.Tensor) -> None:
+    assert x.dtype == y.dtype and x.shape == y.shape
+    xi, yi = x.contiguous().view(INT_VIEW[x.dtype]), y.contiguous().view(INT_VIEW[y.dtype])
+    if not torch.equal(xi, yi):
+        raise AssertionError(f"{(xi != yi).sum().item()} of {x.numel()} elements differ in their bits")
+
+
+def randn(*shape, dtype=torch.float32, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+# ---------------------------------------------------------------- log-softmax, norms, mean
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_log_softmax_rows_do_not_depend_on_batch(dtype):
+    x = randn(37, 5000, dtype=dtype) * 4  # > one 2048-wide block, ragged tail
+    full = tbik.log_softmax(x)
+    assert full.dtype == dtype
+    for lo, hi in ((0, 1), (5, 6), (3, 20)):
+        assert_bits_equal(tbik.log_softmax(x[lo:hi]), full[lo:hi])
+    ref = torch.log_softmax(x.double(), -1)
+    rel = 1e-6 if dtype == torch.float32 else 2**-8  # one rounding to the output dtype
+    assert ((full.double() - ref).abs() <= rel * ref.abs() + 1e-5).all()
+
+
+def test_log_softmax_other_dim_masked_entries_and_fp32_output():
+    x = randn(6, 9, 11)
+    assert torch.allclose(tbik.log_softmax(x, 1), torch.log_softmax(x, 1), atol=1e-5)
+    x[0, 0, :] = float("-inf")
+    x[0, 0, 4] = 2.0
+    out = tbik.log_softmax(x)
+    assert out[0, 0, 4].item() == 0.0 and torch.isinf(out[0, 0, :4]).all()
+    half = tbik.log_softmax(x.bfloat16(), dtype=torch.float32)
+    assert half.dtype == torch.float32
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_batch_invariant_and_hf_semantics(dtype):
+    x = randn(4, 9, 1500, dtype=dtype, seed=1)
+    w = (1 + 0.1 * randn(1500, seed=2)).to(dtype)
+    out = tbik.rms_norm(x, w, 1e-6)
+    for b in range(4):
+        assert_bits_equal(tbik.rms_norm(x[b:b + 1], w, 1e-6), out[b:b + 1])
+        assert_bits_equal(tbik.rms_norm(x[b, 3:5], w, 1e-6), out[b, 3:5])
+    xf = x.float()
+    hf = w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
+    assert out.dtype == hf.dtype
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert (out.float() - hf.float()).abs().max().item() < tol
+
+
+def test_mean_last_dim_batch_invariant():
+    x = randn(50, 3000, seed=3)
+    full = tbik.mean_last_dim(x, keepdim=True)
+    assert full.shape == (50, 1)
+    assert_bits_equal(tbik.mean_last_dim(x[7:8], keepdim=True), full[7:8])
+    assert torch.allclose(full, x.mean(-1, keepdim=True), atol=1e-6)
+    assert tbik.mean_last_dim(x.bfloat16()).dtype == torch.bfloat16
+
+
+# ---------------------------------------------------------------- attention
+
+
+def reference_attention(q, k, v, start):
+    b, hq, tq, d = q.shape
+    s = k.shape[2]
+    rep = hq // k.shape[1]
+    k, v = k.double().repeat_interleave(rep, 1), v.double().repeat_interleave(rep, 1)
+    scores = q.double() @ k.transpose(-1, -2) / d**0.5
+    qpos = torch.arange(tq)[:, None] + s - tq
+    kpos = torch.arange(s)[None, :]
+    mask = (kpos <= qpos)[None] & (kpos[None] >= start[:, None, None])
+    scores = scores.masked_fill(~mask[:, None], float("-inf"))
+    return torch.softmax(scores, -1) @ v
+
+
+def left_padded(seqs_q, seqs_k, seqs_v, width):
+    """Stack per-sequence [H, T, D] tensors into a left-padded batch [B, H, width, D]."""
+    pads = [width - t.shape[1] for t in seqs_k]
+
+    def stack(seqs):
+        out = []
+        for t, pad in zip(seqs, pads):
+            filler = randn(t.shape[0], pad, t.shape[2], dtype=t.dtype, seed=99 + pad)  # garbage
+            out.append(torch.cat([filler, t], 1))
+        return torch.stack(out)
+
+    return stack(seqs_q), stack(seqs_k), stack(seqs_v), torch.tensor(pads, dtype=torch.int32)
+
+
+@pytest.fixture(scope="module")
+def gqa_sequences():
+    hq, hkv, d = 4, 2, 32
+    lengths = [70, 23, 130]
+    seqs = [(randn(hq, t, d, dtype=torch.bfloat16, seed=10 + i), randn(hkv, t, d, dtype=torch.bfloat16, seed=20 + i),
+             randn(hkv, t, d, dtype=torch.bfloat16, seed=30 + i)) for i, t in enumerate(lengths)]
+    return seqs
+
+
+def test_attention_matches_reference(gqa_sequences):
+    q, k, v, start = left_padded(*zip(*gqa_sequences), width=140)
+    out = tbik.attention(q, k, v, start=start)
+    ref = reference_attention(q, k, v, start)
+    for b, pad in enumerate(start.tolist()):
+        err = (out[b, :, pad:].double() - ref[b, :, pad:]).abs().max().item()
+        assert err < 2e-2
+        assert out[b, :, :pad].abs().max().item() == 0  # padded queries see no key: zeros
+
+
+def test_attention_invariant_to_batch_and_padding(gqa_sequences):
+    alone = [tbik.attention(q[None], k[None], v[None]) for q, k, v in gqa_sequences]
+    for width in (130, 141, 200):
+        q, k, v, start = left_padded(*zip(*gqa_sequences), width=width)
+        out = tbik.attention(q, k, v, start=start)
+        for b, pad in enumerate(start.tolist()):
+            assert_bits_equal(out[b:b + 1, :, pad:], alone[b])
+
+
+def test_attention_invariant_to_heads_per_call(gqa_sequences):
+    q, k, v = (t[None] for t in gqa_sequences[2])
+    full = tbik.attention(q, k, v)
+    # TP=2 shards: each rank holds 2 query heads and their 1 kv head.
+    for r in range(2):
+        shard = tbik.attention(q[:, 2 * r:2 * r + 2], k[:, r:r + 1], v[:, r:r + 1])
+        assert_bits_equal(shard, full[:, 2 * r:2 * r + 2])
+
+
+def test_attention_decode_equals_prefill(gqa_sequences):
+    q, k, v = (t[None] for t in gqa_sequences[2])  # 130 tokens
+    prefill = tbik.attention(q, k, v)
+    for pos in (0, 63, 64, 100, 129):
+        step = tbik.attention(q[:, :, pos:pos + 1], k[:, :, :pos + 1], v[:, :, :pos + 1])
+        assert_bits_equal(step, prefill[:, :, pos:pos + 1])
+    # A chunked prefill (second chunk of 30 queries over all keys) too.
+    chunk = tbik.attention(q[:, :, 100:], k, v)
+    assert_bits_equal(chunk, prefill[:, :, 100:])
+    # Decode inside a left-padded batch, with a longer neighbour.
+    qb, kb, vb, start = left_padded(*zip(gqa_sequences[2], gqa_sequences[0]), width=150)
+    step = tbik.attention(qb[:, :, -1:], kb, vb, start=start)
+    assert_bits_equal(step[:1], prefill[:, :, 129:])
+
+
+def test_attention_fp32_and_right_padding_do_not_crash():
+    q, k, v = randn(2, 2, 5, 16, seed=5), randn(2, 1, 9, 16, seed=6), randn(2, 1, 9, 16, seed=7)
+    out = tbik.attention(q, k, v, start=torch.zeros(2, dtype=torch.int64))
+    ref = reference_attention(q, k, v, torch.zeros(2, dtype=torch.int64))
+    assert (out.double() - ref).abs().max().item() < 1e-5
+    with pytest.raises(ValueError, match="multiple"):
+        tbik.attention(randn(1, 3, 2, 16), randn(1, 2, 4, 16), randn(1, 2, 4, 16))
+
+
+# ---------------------------------------------------------------- batch-invariant mode
+
+
+def test_mode_routes_linear_softmax_and_mean():
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(256, 96).to(torch.bfloat16)
+    x = randn(3, 5, 256, dtype=torch.bfloat16, seed=8)
+    with torch.no_grad(), tbik.batch_invariant_mode("cpu", num_chunks=8):
+        assert tbik.is_batch_invariant_mode_enabled()
+        y = lin(x)
+        y_one = lin(x[1:2, 2:3])
+        y_nobias = F.linear(x[0], lin.weight)
+        ls = F.log_softmax(x.float(), -1)
+        ms = x.float().pow(2).mean(-1, keepdim=True)
+        m0 = x.float().mean(0)
+        d = torch.randn(3, 4, dtype=torch.float64) @ torch.randn(4, 2, dtype=torch.float64)
+    assert not tbik.is_batch_invariant_mode_enabled()
+    assert_bits_equal(y, tbik.tree_matmul(x.reshape(15, 256), lin.weight.t(), lin.bias).view(3, 5, 96))
+    assert_bits_equal(y_one, y[1:2, 2:3])
+    assert_bits_equal(y_nobias, tbik.tree_matmul(x[0], lin.weight.t()))
+    assert_bits_equal(ls, tbik.log_softmax(x.float()))
+    assert_bits_equal(ms, tbik.mean_last_dim(x.float().pow(2), keepdim=True))
+    assert torch.allclose(m0, x.float().mean(0), atol=1e-6)
+    assert d.shape == (3, 2)
