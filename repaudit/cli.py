@@ -36,11 +36,42 @@ def diff(
     allow_partial: bool = typer.Option(False, "--allow-partial", help="compare only the prompts both records share"),
     json_out: Optional[Path] = typer.Option(None, "--json", help="write the full result as JSON"),
     markdown_out: Optional[Path] = typer.Option(None, "--markdown", help="write a Markdown report"),
+    html_out: Optional[Path] = typer.Option(None, "--html", help="write an HTML report with plots (self-contained)"),
 ) -> None:
     """Compare two records bit by bit. Exit 0 within thresholds (default: identical), 1 beyond, 2 bad input."""
     th = Thresholds(max_ulp=max_ulp, max_abs=max_abs, max_seq_divergence=max_seq_divergence)
     raise typer.Exit(commands.diff(a, b, thresholds=th, allow_partial=allow_partial,
-                                   json_path=json_out, markdown_path=markdown_out))
+                                   json_path=json_out, markdown_path=markdown_out, html_path=html_out))
+
+
+@app.command()
+def report(
+    run_dir: Path = typer.Argument(..., help="run directory (made by repaudit run)"),
+    max_ulp: Optional[int] = typer.Option(None, "--max-ulp", min=0, help="verdict: tolerate logprobs within N ULP"),
+    max_abs: Optional[float] = typer.Option(None, "--max-abs", min=0.0, help="verdict: tolerate |Δ logprob| <= X"),
+    max_seq_divergence: float = typer.Option(0.0, "--max-seq-divergence", min=0.0, max=1.0,
+                                             help="verdict: fraction of sequences whose tokens may differ"),
+    html_out: Optional[Path] = typer.Option(None, "--html", help="where to write the HTML report (default RUN_DIR/report.html)"),
+    markdown_out: Optional[Path] = typer.Option(None, "--markdown", help="where to write the Markdown report (default RUN_DIR/report.md)"),
+) -> None:
+    """Write RUN_DIR/report.html (plots, self-contained) and RUN_DIR/report.md. Exit 0 once written, 2 bad input."""
+    th = Thresholds(max_ulp=max_ulp, max_abs=max_abs, max_seq_divergence=max_seq_divergence)
+    raise typer.Exit(commands.report(run_dir, thresholds=th, html_path=html_out, markdown_path=markdown_out))
+
+
+@app.command()
+def gate(
+    paths: list[Path] = typer.Argument(..., help="a run directory, or two records A.parquet B.parquet (A is the reference)"),
+    junit: Optional[Path] = typer.Option(None, "--junit", help="write JUnit XML: one test case per cell pair"),
+    max_ulp: Optional[int] = typer.Option(None, "--max-ulp", min=0, help="pass if every logprob is within N ULP"),
+    max_abs: Optional[float] = typer.Option(None, "--max-abs", min=0.0, help="pass if every |Δ logprob| <= X"),
+    max_seq_divergence: float = typer.Option(0.0, "--max-seq-divergence", min=0.0, max=1.0,
+                                             help="fraction of sequences whose tokens may differ"),
+    allow_partial: bool = typer.Option(False, "--allow-partial", help="two records: compare only the prompts both share"),
+) -> None:
+    """Every cell against its reference (or B against A). Exit 0 all within thresholds, 1 any beyond or failed, 2 bad input."""
+    th = Thresholds(max_ulp=max_ulp, max_abs=max_abs, max_seq_divergence=max_seq_divergence)
+    raise typer.Exit(commands.gate(paths, thresholds=th, junit_path=junit, allow_partial=allow_partial))
 
 
 def _csv(text: str, flag: str, cast=str) -> tuple:

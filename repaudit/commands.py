@@ -22,6 +22,7 @@ def diff(
     allow_partial: bool = False,
     json_path: Path | None = None,
     markdown_path: Path | None = None,
+    html_path: Path | None = None,
     console: Console | None = None,
 ) -> int:
     result = diff_records(a, b, thresholds=thresholds, allow_partial=allow_partial)
@@ -30,6 +31,71 @@ def diff(
         write_json_atomic(json_path, result.to_dict())
     if markdown_path:
         write_text_atomic(markdown_path, diff_markdown(result))
+    if html_path:
+        _diff_html(a, b, result, html_path)
+    return 0 if result.passed else 1
+
+
+def _diff_html(a: Path, b: Path, result, html_path: Path) -> None:
+    from .gate import GateResult, PairOutcome
+    from .report import write_pair_html
+
+    ida, idb = result.a.cell_id, result.b.cell_id
+    cell, ref = (idb, ida) if ida != idb else (str(b), str(a))
+    pair = PairOutcome(cell, ref, result=result, path_a=Path(a), path_b=Path(b))
+    write_pair_html(GateResult("files", [pair], result.thresholds), html_path)
+
+
+def report(
+    run_dir: Path,
+    *,
+    thresholds: Thresholds = Thresholds(),
+    html_path: Path | None = None,
+    markdown_path: Path | None = None,
+    console: Console | None = None,
+) -> int:
+    """RUN_DIR/report.html and RUN_DIR/report.md. Exit 0 once written (the verdict is the gate's job), 2 on bad input."""
+    from .gate import load_run
+    from .report import write_run_report
+    from .report.headline import verdict
+
+    console = console or Console()
+    run = load_run(run_dir)
+    data = write_run_report(run, thresholds, html_path, markdown_path)
+    text, tone = verdict(data)
+    console.print(f"[{'green' if tone == 'pass' else 'red' if tone == 'fail' else 'yellow'}]{text}[/]")
+    console.print(f"wrote {html_path or run.run_dir / 'report.html'} and {markdown_path or run.run_dir / 'report.md'}")
+    return 0
+
+
+def gate(
+    paths: list[Path],
+    *,
+    thresholds: Thresholds = Thresholds(),
+    junit_path: Path | None = None,
+    allow_partial: bool = False,
+    console: Console | None = None,
+) -> int:
+    """A run directory (every cell vs its reference) or two records (B vs A). 0 pass, 1 fail, 2 bad input."""
+    from .errors import InputError
+    from .gate import gate_files, gate_run, load_run, print_gate
+    from .junit import write_junit
+
+    if len(paths) == 1:
+        if not paths[0].exists():
+            raise InputError(f"{paths[0]}: no such file or directory")
+        if not paths[0].is_dir():
+            raise InputError(f"{paths[0]}: expected a run directory (or two records: repaudit gate A.parquet B.parquet)")
+        if allow_partial:
+            raise InputError("--allow-partial applies to two records, not to a run directory")
+        result = gate_run(load_run(paths[0]), thresholds)
+    elif len(paths) == 2:
+        result = gate_files(paths[0], paths[1], thresholds, allow_partial)
+    else:
+        raise InputError(f"gate takes a run directory or two records, got {len(paths)} paths")
+    print_gate(result, console)
+    if junit_path:
+        write_junit(junit_path, result)
     return 0 if result.passed else 1
 
 

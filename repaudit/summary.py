@@ -9,11 +9,50 @@ from rich.console import Console
 from rich.table import Table
 
 from .diff import Thresholds, _json_float, diff_records
+from .errors import InputError
 from .files import write_json_atomic, write_text_atomic
 from .jobspec import cell_path
-from .plan import Plan
+from .plan import Cell, Matrix, Plan, expand
 from .render import pct
 from .rundir import Manifest
+
+
+def reference_pairs(plan: Plan) -> list[tuple[Cell, Cell]]:
+    """(cell, reference) for every cell of the plan, in plan order; a reference is paired with itself.
+
+    The one place that decides what each cell is compared with: summary.json, `repaudit gate`
+    and `repaudit report` all use it."""
+    return [(cell, plan.reference_for(cell)) for cell in plan.cells]
+
+
+def reference_delta(cell: Cell, reference: Cell) -> str:
+    """The reference's settings where they differ from the cell's: "tp=1 bs=1"."""
+    delta = [f"{k}={getattr(reference, k)}" for k in ("engine", "tp", "batch_size", "nccl", "kernels", "mode")
+             if getattr(reference, k) != getattr(cell, k)]
+    return " ".join(delta).replace("batch_size", "bs")
+
+
+def plan_from_manifest(data: dict[str, Any]) -> Plan:
+    """The plan a run directory was made with, rebuilt from its manifest (matrix, baseline and
+    the score-reference cell that `repaudit run` adds when the matrix lacks it)."""
+    from .run import expand_with
+
+    try:
+        m = data["matrix"]
+        matrix = Matrix(
+            model=data["model"]["id"], engines=tuple(m["engines"]), tps=tuple(m["tp"]),
+            batch_sizes=tuple(m["batch_size"]), nccl=dict(m["nccl"]), kernels=tuple(m["kernels"]),
+            modes=tuple(m["mode"]), dtype=m["dtype"], device=m["device"], probes=m["probes"],
+            max_new_tokens=m["max_new_tokens"], topk=m["topk"], baseline=data["baseline"],
+            reference_per=tuple(m["reference_per"]),
+        )
+    except (KeyError, TypeError) as exc:
+        raise InputError(f"manifest has no complete matrix (missing {exc}); was the run started?") from None
+    plan = expand(matrix)
+    extra = data.get("reference_cell")
+    if extra and extra not in {c.id for c in plan.cells}:
+        plan = expand_with(plan, plan.reference_source)
+    return plan
 
 
 def _rate(timing: dict[str, Any] | None, mode: str) -> float | None:
@@ -24,13 +63,10 @@ def _rate(timing: dict[str, Any] | None, mode: str) -> float | None:
 
 def summarize(plan: Plan, run_dir: Path, manifest: Manifest, thresholds: Thresholds) -> dict[str, Any]:
     rows = []
-    for cell in plan.cells:
+    for cell, reference in reference_pairs(plan):
         entry = manifest.data["cells"].get(cell.id, {})
-        reference = plan.reference_for(cell)
-        delta = [f"{k}={getattr(reference, k)}" for k in ("engine", "tp", "batch_size", "nccl", "kernels", "mode")
-                 if getattr(reference, k) != getattr(cell, k)]
         row: dict[str, Any] = {
-            "cell": cell.id, "reference": reference.id, "reference_delta": " ".join(delta).replace("batch_size", "bs"), "status": entry.get("status"), "reason": entry.get("reason"),
+            "cell": cell.id, "reference": reference.id, "reference_delta": reference_delta(cell, reference), "status": entry.get("status"), "reason": entry.get("reason"),
             "seconds": entry.get("seconds"), "tokens_per_s": _rate(entry.get("timing"), cell.mode),
             "timing": entry.get("timing"), "ranks_differ": entry.get("ranks_differ"),
         }

@@ -1,0 +1,67 @@
+"""The verdict and the headline numbers, as text both renderers use (exact: rates via render.pct)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from fractions import Fraction
+
+from ..render import num, pct, verdict_line
+from .build import ReportData
+
+
+@dataclass
+class Tile:
+    label: str
+    value: str
+    detail: str = ""
+    tone: str = ""  # "pass", "fail", "warn" or "" (neutral)
+
+
+def verdict(data: ReportData) -> tuple[str, str]:
+    """(headline sentence, tone)."""
+    g = data.gate
+    cases = g.all_cases
+    if data.kind == "pair" and data.pairs and data.pairs[0].result is not None:
+        r = data.pairs[0].result
+        return verdict_line(r), "pass" if r.passed else "fail"
+    if not cases:
+        return "NOTHING TO COMPARE: no cell has a reference other than itself", "warn"
+    if not g.passed:
+        return f"DIVERGENT: {len(g.failures)} of {len(cases)} cell pairs fail the gate", "fail"
+    if all(p.result is not None and p.result.identical for p in g.pairs):
+        return f"IDENTICAL: every one of {len(cases)} cell pairs agrees bit for bit", "pass"
+    return f"WITHIN THRESHOLDS: {len(cases)} of {len(cases)} cell pairs pass (not all bitwise identical)", "pass"
+
+
+def tiles(data: ReportData) -> list[Tile]:
+    out = []
+    results = [(p.label, p.outcome, p.result) for p in data.pairs if p.result is not None]
+    if data.kind == "run":
+        done = sum(c.status == "done" for c in data.cells)
+        out.append(Tile("cells completed", f"{done}/{len(data.cells)}", "", "pass" if done == len(data.cells) else "fail"))
+        ident = sum(r.identical for _, _, r in results)
+        out.append(Tile("identical to their reference", f"{ident}/{len(data.pairs)}", "cell pairs, every bit",
+                        "pass" if ident == len(data.pairs) else "fail"))
+    if results:
+        label, _, r = min(results, key=lambda x: (Fraction(x[2].bitwise_equal, max(1, x[2].comparable)), x[0]))
+        out.append(Tile("lowest bitwise-equal", pct(r.bitwise_equal, r.comparable),
+                        f"{r.bitwise_equal}/{r.comparable} logprobs · {label}", "pass" if r.bitwise_equal == r.comparable else "fail"))
+        label, _, r = max(results, key=lambda x: x[2].ulp_max)
+        out.append(Tile("largest ULP distance", str(r.ulp_max), label if r.ulp_max else "", "pass" if r.ulp_max == 0 else "fail"))
+        label, _, r = max(results, key=lambda x: x[2].prob_max)
+        out.append(Tile("max |Δ prob|", num(r.prob_max), label if r.prob_max else "", "pass" if r.prob_max == 0 else "warn"))
+        firsts = [(d.earliest, p.label, d.prompt_id) for p in data.pairs for d in p.divergences]
+        if firsts:
+            pos, label, prompt = min(firsts)
+            out.append(Tile("earliest divergence", f"pos {pos}", f"{label} · {prompt}", "fail"))
+        else:
+            out.append(Tile("earliest divergence", "none", "", "pass"))
+        shared = sum(len(r.shared_prompts) for _, _, r in results)
+        forked = sum(not p.token_match for _, _, r in results for p in r.shared_prompts)
+        out.append(Tile("sequences that fork", f"{forked}/{shared}", "tokens differ (prompt × pair)",
+                        "pass" if forked == 0 else "fail"))
+    if data.kind == "run" and data.wall_s is not None:
+        cell_s = sum(c.seconds or 0.0 for c in data.cells)
+        loads = sum(sum(g.load_s) for g in data.groups)
+        out.append(Tile("whole matrix", f"{data.wall_s:.1f} s", f"cells {cell_s:.1f} s · model loads {loads:.1f} s"))
+    return out

@@ -1,0 +1,384 @@
+"""report.html: one self-contained page (inline CSS and SVG; no script, no network)."""
+
+from __future__ import annotations
+
+from html import escape
+from typing import Any, Iterable
+
+from .. import __version__
+from ..render import pct
+from . import svg
+from .analysis import MatrixView, PairView
+from .build import ReportData, env_table, value_text
+from .headline import tiles, verdict
+from .tables import (PAIR_HEADER, divergence_cells, failed_cells, hist_bins, hist_labels, hist_summary, pair_row, rate,
+                     secs, timing_rows, timing_totals)
+
+DIVERGENCE_ROWS = 50  # per pair in the page; report.md and `repaudit diff --markdown` list them all
+
+CSS = """
+:root { --ink:#1f2937; --muted:#6b7280; --line:#e5e7eb; --bg:#ffffff; --soft:#f8fafc;
+        --pass:#15803d; --pass-bg:#dcfce7; --fail:#b91c1c; --fail-bg:#fee2e2; --warn:#a16207; --warn-bg:#fef9c3; }
+* { box-sizing: border-box; }
+body { margin: 0; font: 14px/1.45 system-ui, -apple-system, "Segoe UI", Roboto, "DejaVu Sans", sans-serif; color: var(--ink); background: var(--bg); }
+main { max-width: 1440px; margin: 0 auto; padding: 24px 28px 60px; }
+h1 { font-size: 22px; margin: 0 0 4px; }
+h2 { font-size: 17px; margin: 34px 0 6px; padding-top: 10px; border-top: 1px solid var(--line); }
+h3 { font-size: 14px; margin: 18px 0 6px; }
+p.lead { color: var(--muted); margin: 0 0 10px; max-width: 980px; }
+code, pre, .mono, td.num { font-family: ui-monospace, SFMono-Regular, Menlo, Consolas, "DejaVu Sans Mono", monospace; font-size: 12.5px; }
+pre { background: var(--soft); border: 1px solid var(--line); border-radius: 6px; padding: 8px 10px; overflow-x: auto; white-space: pre-wrap; word-break: break-all; margin: 4px 0 12px; }
+dl.facts { display: grid; grid-template-columns: max-content 1fr; gap: 2px 16px; margin: 10px 0 0; font-size: 13px; }
+dl.facts dt { color: var(--muted); } dl.facts dd { margin: 0; font-family: ui-monospace, Menlo, Consolas, monospace; font-size: 12.5px; word-break: break-all; }
+.verdict { margin: 18px 0 12px; padding: 12px 16px; border-radius: 8px; font-weight: 700; font-size: 17px; }
+.verdict.pass { background: var(--pass-bg); color: var(--pass); } .verdict.fail { background: var(--fail-bg); color: var(--fail); }
+.verdict.warn { background: var(--warn-bg); color: var(--warn); }
+.verdict ul { font-weight: 400; font-size: 13px; margin: 6px 0 0; padding-left: 20px; }
+.tiles { display: grid; grid-template-columns: repeat(auto-fill, minmax(200px, 1fr)); gap: 10px; }
+.tile { border: 1px solid var(--line); border-left-width: 4px; border-radius: 6px; padding: 8px 12px; background: #fff; }
+.tile.pass { border-left-color: var(--pass); } .tile.fail { border-left-color: var(--fail); } .tile.warn { border-left-color: #eab308; }
+.tile .label { color: var(--muted); font-size: 12px; } .tile .value { font: 600 19px/1.3 ui-monospace, Menlo, Consolas, monospace; overflow-wrap: anywhere; }
+.tile .value.long { font-size: 14.5px; padding-top: 3px; }
+.tile .detail { color: var(--muted); font-size: 11.5px; overflow-wrap: anywhere; }
+nav { margin: 10px 0 0; font-size: 13px; } nav a { color: #1d4ed8; text-decoration: none; margin-right: 14px; }
+.sub { display: block; color: var(--muted); font-size: 11.5px; }
+table { border-collapse: collapse; margin: 6px 0 10px; font-size: 12.5px; }
+th, td { border-bottom: 1px solid var(--line); padding: 4px 8px; text-align: left; vertical-align: top; }
+th { background: var(--soft); font-weight: 600; position: sticky; top: 0; }
+td.num { text-align: right; white-space: nowrap; }
+tr.fail td:first-child { box-shadow: inset 3px 0 var(--fail); } tr.pass td:first-child { box-shadow: inset 3px 0 var(--pass); }
+.badge { display: inline-block; padding: 0 7px; border-radius: 10px; font-size: 11.5px; font-weight: 700; white-space: nowrap; }
+.badge.pass { background: var(--pass-bg); color: var(--pass); } .badge.fail { background: var(--fail-bg); color: var(--fail); }
+.badge.warn { background: var(--warn-bg); color: var(--warn); }
+.reasons { color: var(--fail); font-size: 11.5px; }
+tr.why td { border-top: none; padding-top: 0; padding-left: 22px; }
+tr.fail:not(.why):has(+ tr.why) td { border-bottom: none; }
+td.id { white-space: nowrap; }
+table.pairs td, table.pairs th { padding: 4px 6px; } table.pairs td.num { font-size: 12px; }
+.scroll { overflow-x: auto; }
+.plots { display: flex; flex-wrap: wrap; gap: 18px 26px; align-items: flex-start; }
+svg.plot { max-width: 100%; height: auto; }
+svg.bar { vertical-align: middle; margin-right: 6px; }
+details { border: 1px solid var(--line); border-radius: 6px; margin: 8px 0; padding: 4px 10px; }
+details > summary { cursor: pointer; font-weight: 600; padding: 4px 0; }
+details > summary .muted { font-weight: 400; }
+.muted { color: var(--muted); }
+td.ctx { font-family: ui-monospace, Menlo, Consolas, monospace; font-size: 12px; min-width: 300px; max-width: 480px; white-space: pre-wrap; word-break: break-word; }
+.ctx .shared { color: #374151; } .ctx .ell { color: var(--muted); }
+mark.a { background: #dbeafe; color: #1e3a8a; border-radius: 3px; padding: 0 2px; }
+mark.b { background: #fde68a; color: #78350f; border-radius: 3px; padding: 0 2px; }
+mark.same { background: #e9d5ff; color: #4c1d95; border-radius: 3px; padding: 0 2px; }
+.bits { color: var(--muted); font-size: 11px; }
+td.hl { background: var(--warn-bg); font-weight: 600; }
+.kv { display: grid; grid-template-columns: repeat(auto-fill, minmax(300px, 1fr)); gap: 2px 18px; font-size: 12.5px; }
+.kv div { border-bottom: 1px dotted var(--line); padding: 2px 0; word-break: break-all; } .kv b { font-weight: 600; color: var(--muted); margin-right: 6px; }
+footer { margin-top: 40px; color: var(--muted); font-size: 12px; }
+"""
+
+
+def e(x: Any) -> str:
+    return escape(str(x), quote=True)
+
+
+def _table(header: list[str], rows: Iterable[list[str]], cls: str = "", row_cls: Iterable[str] | None = None) -> str:
+    """Cells are HTML already (escape before calling)."""
+    rcls = list(row_cls) if row_cls is not None else None
+    body = "".join(f'<tr class="{rcls[i] if rcls else ""}">' + "".join(r) + "</tr>" for i, r in enumerate(rows))
+    return (f'<div class="scroll"><table class="{cls}"><thead><tr>' + "".join(f"<th>{e(h)}</th>" for h in header)
+            + f"</tr></thead><tbody>{body}</tbody></table></div>")
+
+
+def _td(x: Any, cls: str = "", raw: bool = False, title: str = "") -> str:
+    c = f' class="{cls}"' if cls else ""
+    t = f' title="{e(title)}"' if title else ""
+    return f"<td{c}{t}>{x if raw else e(x)}</td>"
+
+
+# ------------------------------------------------------------------------------ sections
+
+
+def _header(data: ReportData) -> str:
+    facts = "".join(f"<dt>{e(k)}</dt><dd>{e(v)}</dd>" for k, v in data.facts)
+    text, tone = verdict(data)
+    reasons = ""
+    if data.gate.failures and data.kind == "run":
+        items = "".join(f"<li><code>{e(p.cell)}</code>: {e('; '.join(p.reasons))}</li>" for p in data.gate.failures[:8])
+        more = f"<li>… and {len(data.gate.failures) - 8} more (table below)</li>" if len(data.gate.failures) > 8 else ""
+        reasons = f"<ul>{items}{more}</ul>"
+    tl = "".join(
+        f'<div class="tile {t.tone}"><div class="label">{e(t.label)}</div><div class="value{" long" if len(t.value) > 14 else ""}">{e(t.value)}</div>'
+        f'<div class="detail">{e(t.detail)}</div></div>' for t in tiles(data))
+    links = [("pairs", "cells vs reference"), ("matrix", "cell × cell"), ("ulp", "ULP histograms"), ("first", "first divergence"),
+             ("tokens", "divergent tokens"), ("speed", "speed"), ("env", "environment"), ("repro", "reproduce")]
+    if data.kind != "run":
+        links = [x for x in links if x[0] not in ("matrix", "speed")]
+    nav = "<nav>" + "".join(f'<a href="#{k}">{e(v)}</a>' for k, v in links) + "</nav>"
+    return (f"<header><h1>{e(data.title)}</h1><dl class=\"facts\">{facts}</dl>{nav}</header>"
+            f'<div class="verdict {tone}" id="verdict">{e(text)}{reasons}</div><div class="tiles">{tl}</div>')
+
+
+def _pairs(data: ReportData) -> str:
+    if not data.pairs:
+        return "<h2 id=\"pairs\">Each cell against its reference</h2><p class=\"lead\">No cell has a reference other than itself.</p>"
+    # verdict and reference go under the cell id: the table stays within a laptop screen's width
+    header = [h for h in PAIR_HEADER if h not in ("vs reference", "verdict")]
+    rows, classes = [], []
+    for p in data.pairs:
+        row = pair_row(data, p)
+        ok = p.outcome.passed
+        cells = []
+        for h in header:
+            v = row[h]
+            if h == "cell":
+                vs = f"vs {row['vs reference']}" if data.kind == "run" else f"vs {p.outcome.reference}"
+                badge = f'<span class="badge {"pass" if ok else "fail"}">{e(row["verdict"].split(":")[0])}</span>'
+                cells.append(_td(f'<code>{e(v)}</code><span class="sub" title="{e(p.outcome.reference)}">{badge} {e(vs)}</span>',
+                                 "id", raw=True))
+            else:
+                cells.append(_td(v, "num"))
+        rows.append(cells)
+        classes.append("pass" if ok else "fail")
+        if not ok:
+            rows.append([f'<td class="reasons" colspan="{len(header)}">{e("; ".join(p.outcome.reasons))}</td>'])
+            classes.append("fail why")
+    lead = ("Every completed cell diffed with its reference cell (the baseline taken with the cell's own "
+            + e(", ".join(data.gate.properties.get("reference_per", "").split(","))) + "), exactly as "
+            "<code>repaudit gate</code> does. Rates are truncated, never rounded up: 100% means every row.")
+    if data.kind == "pair":
+        lead = "B diffed with A, exactly as <code>repaudit diff</code> does. Rates are truncated, never rounded up: 100% means every row."
+    failed = failed_cells(data)
+    extra = ""
+    if failed and data.kind == "run":
+        extra = "<h3>Cells that did not complete</h3>" + _table(
+            ["cell", "status", "reason"],
+            [[_td(f"<code>{e(c.id)}</code>", raw=True), _td(c.status or "missing"), _td(c.reason or "—")] for c in failed])
+    heading = "Each cell against its reference" if data.kind == "run" else "B against A"
+    return (f'<h2 id="pairs">{e(heading)}</h2><p class="lead">{lead}</p>'
+            + _table(header, rows, "pairs", classes) + extra)
+
+
+def _matrix_svgs(mv: MatrixView) -> str:
+    if mv.skipped:
+        return f"<p class=\"lead\">{e(mv.mode)}: {e(mv.skipped)}.</p>"
+    worst = max((x.ulp_max for x in mv.entries.values() if x.error is None), default=0)
+
+    def rate_cell(i: int, j: int):
+        x = mv.entry(i, j)
+        if x is None:
+            return None
+        hover = f"{mv.ids[i]}\nvs {mv.ids[j]}\n"
+        if x.error:
+            return (svg.NA, "n/a", hover + x.error)
+        return (svg.rate_colour(x.bitwise_equal, x.comparable), pct(x.bitwise_equal, x.comparable),
+                hover + f"bitwise-equal {x.bitwise_equal}/{x.comparable} ({pct(x.bitwise_equal, x.comparable)}); max {x.ulp_max} ULP"
+                + ("; identical" if x.identical else ""))
+
+    def ulp_cell(i: int, j: int):
+        x = mv.entry(i, j)
+        if x is None:
+            return None
+        hover = f"{mv.ids[i]}\nvs {mv.ids[j]}\n"
+        if x.error:
+            return (svg.NA, "n/a", hover + x.error)
+        return (svg.ulp_colour(x.ulp_max, worst), str(x.ulp_max),
+                hover + f"max {x.ulp_max} ULP; bitwise-equal {x.bitwise_equal}/{x.comparable} ({pct(x.bitwise_equal, x.comparable)})")
+
+    marked = {i for i, cid in enumerate(mv.ids) if cid in mv.references}
+    return ('<div class="plots">'
+            + svg.heatmap(mv.labels, rate_cell, f"{mv.mode}: bitwise-equal logprobs", marked,
+                          "green = 100% (every bit); yellow → red = fewer equal")
+            + svg.heatmap(mv.labels, ulp_cell, f"{mv.mode}: max ULP distance", marked,
+                          f"green = 0; yellow → red = 1 … {worst} ULP (log scale)")
+            + "</div>")
+
+
+def _matrices(data: ReportData) -> str:
+    if data.kind != "run":
+        return ""
+    if not data.matrices:
+        return ('<h2 id="matrix">Cell × cell</h2><p class="lead">Fewer than two completed cells per mode: '
+                "nothing to cross-compare.</p>")
+    return ('<h2 id="matrix">Cell × cell</h2><p class="lead">Every completed cell against every other cell of the same mode '
+            "(one <code>repaudit diff</code> per pair; ★ marks reference cells). Labels show only the settings that vary; "
+            "hover a square for the full cell ids and counts.</p>" + "".join(_matrix_svgs(mv) for mv in data.matrices))
+
+
+def _histograms(data: ReportData) -> str:
+    with_hist = [p for p in data.pairs if p.hist is not None]
+    head = ('<h2 id="ulp">ULP distance of compared logprobs</h2><p class="lead">Every compared logprob (matched rows '
+            "before any token fork) binned by its float32 ULP distance: 0, 1, 2–3, 4–7, … Count axis is logarithmic; "
+            "the number over a bar is its exact count.</p>")
+    if not with_hist:
+        return head + "<p class=\"lead\">No pair could be compared.</p>"
+    nbins = hist_bins(with_hist)
+    labels = hist_labels(nbins)
+    y_max = max(int(p.hist.counts.max()) for p in with_hist)
+    colours = [svg.EQUAL] + [svg.ulp_colour(1 << (k - 1), 1 << max(1, nbins - 2)) for k in range(1, nbins)]
+    charts = []
+    for p in with_hist:
+        title = p.label if data.kind == "pair" else f"{p.label}  vs {_short_ref(data, p)}"
+        charts.append(svg.histogram([int(c) for c in p.hist.counts[:nbins]], labels, title, hist_summary(p.hist), y_max, colours))
+    return head + '<div class="plots">' + "".join(charts) + "</div>"
+
+
+def _short_ref(data: ReportData, p: PairView) -> str:
+    from .tables import reference_delta
+
+    return reference_delta(data, p.outcome.cell, p.outcome.reference)
+
+
+def _strip(data: ReportData) -> str:
+    with_res = [p for p in data.pairs if p.result is not None]
+    head = ('<h2 id="first">Where sequences first diverge</h2><p class="lead">One mark per prompt at the first position '
+            "where the two records differ; prompts that never differ have no mark. The note on the right counts "
+            "prompts with any difference and, of those, prompts whose tokens fork.</p>")
+    if not with_res:
+        return head + "<p class=\"lead\">No pair could be compared.</p>"
+    rows = []
+    for p in with_res:
+        r = p.result
+        shared = len(r.shared_prompts)
+        forks = sum(d.fork is not None for d in p.divergences)
+        points = []
+        for d in p.divergences:
+            if d.first_bits is not None:
+                points.append((d.first_bits, "logprob", f"{d.prompt_id}: logprob bits first differ at pos {d.first_bits}"))
+            if d.fork is not None:
+                points.append((d.fork, "token", f"{d.prompt_id}: tokens fork at pos {d.fork} ({d.phase})"))
+        label = p.label if data.kind == "pair" else f"{p.label} vs {_short_ref(data, p)}"
+        rows.append((label, points, f"{len(p.divergences)}/{shared} differ, {forks} fork"))
+    return head + svg.strip(rows, data.max_pos, "first divergence position per prompt")
+
+
+def _context_html(d: dict[str, Any], kind: str, ta: str, tb: str) -> str:
+    ctx = d["context"]
+    ell = ""
+    if ctx.startswith("…"):
+        ell, ctx = '<span class="ell">…</span>', ctx[1:]
+    if kind == "token fork":
+        return (f'{ell}<span class="shared">{e(ctx)}</span><br>A: <mark class="a">{e(ta)}</mark>{e(d["after A"])}'
+                f'<br>B: <mark class="b">{e(tb)}</mark>{e(d["after B"])}')
+    return f'{ell}<span class="shared">{e(ctx)}</span><mark class="same">{e(ta)}</mark>'
+
+
+def _divergences(data: ReportData) -> str:
+    head = ('<h2 id="tokens">First divergent token, per prompt</h2><p class="lead">For each prompt that differs: the shared '
+            "text before the first divergent token, then the token(s) there: where the tokens fork if they do (with the "
+            "position where logprob bits first differed), else the first token whose logprob bits differ. Logprobs are the exact float32 values (shortest "
+            "text that reads back to the same float) with their bit patterns. " + e(data.token_note) + ".</p>")
+    blocks = []
+    first_open = True
+    for p in data.pairs:
+        if not p.divergences:
+            continue
+        title = p.label if data.kind == "pair" else f"{p.outcome.cell}"
+        earliest = p.divergences[0]
+        forks = sum(d.fork is not None for d in p.divergences)
+        summary = (f"<code>{e(title)}</code> <span class=\"muted\">vs {e(p.outcome.reference)} · {len(p.divergences)} prompts differ"
+                   f"{f', {forks} fork' if forks else ''} · earliest pos {earliest.earliest} ({e(earliest.prompt_id)})</span>")
+        rows = []
+        for d in p.divergences[:DIVERGENCE_ROWS]:
+            c = divergence_cells(d)
+            ta = repr(d.a.piece) if d.a.token is not None else "(ended)"
+            tb = repr(d.b.piece) if d.b.token is not None else "(ended)"
+            text_a = e(c["token A"])
+            text_b = e(c["token B"])
+            rows.append([
+                _td(f"<code>{e(c['prompt'])}</code>", "id", raw=True), _td(f'{e(c["position"])}<span class="sub">{e(c["where"])}</span>', "num", raw=True),
+                _td(f'<span class="badge {"fail" if d.kind == "token" else "warn"}">{e(c["kind"])}</span>'
+                    + (f'<span class="sub">bits differ from pos {e(c["bits from"])}</span>' if d.kind == "token" and d.first_bits is not None else ""),
+                    raw=True),
+                _td(_context_html(c, c["kind"], d.a.piece if d.a.token is not None else ta,
+                                  d.b.piece if d.b.token is not None else tb), "ctx", raw=True),
+                _td(f'<mark class="a">{text_a}</mark><br>{e(c["logprob A"])}<br><span class="bits">{e(c["bits A"])}</span>', "num", raw=True),
+                _td(f'<mark class="b">{text_b}</mark><br>{e(c["logprob B"])}<br><span class="bits">{e(c["bits B"])}</span>', "num", raw=True),
+                _td(c["ULP"], "num"), _td(c["prompt bitwise-equal"], "num"), _td(c["prompt max ULP"], "num"),
+            ])
+        more = ""
+        if len(p.divergences) > DIVERGENCE_ROWS:
+            more = f'<p class="muted">… and {len(p.divergences) - DIVERGENCE_ROWS} more prompts: report.md lists them all.</p>'
+        table = _table(["prompt", "position", "what differs", "text before → token", "A (reference): token, logprob",
+                        "B: token, logprob", "ULP", "prompt bitwise-equal", "prompt max ULP"], rows, "div")
+        cmd = p.outcome.diff_command(data.thresholds)
+        cmd_html = f"<pre>{e(cmd)}</pre>" if cmd and data.kind == "run" else ""
+        blocks.append(f"<details{' open' if first_open else ''}><summary>{summary}</summary>{table}{more}{cmd_html}</details>")
+        first_open = False
+    if not blocks:
+        return head + "<p class=\"lead\">No prompt differs in any compared pair.</p>"
+    return head + "".join(blocks)
+
+
+def _speed(data: ReportData) -> str:
+    if data.kind != "run":
+        return ""
+    rows = timing_rows(data)
+    top_p = max((r["prefill tok/s"] or 0 for r in rows), default=0)
+    top_d = max((r["decode tok/s"] or 0 for r in rows), default=0)
+    body = []
+    for r in rows:
+        def cell(key: str, top: float) -> str:
+            v = r[key]
+            if v is None:
+                return _td("—", "num")
+            return _td(svg.bar(v, top, f"{r['cell']}: {v:,.1f} {key}") + e(rate(v)), "num", raw=True)
+        body.append([_td(f"<code>{e(r['cell'])}</code>", raw=True), _td(r["group"]),
+                     _td(r["status"], "" if r["status"] == "done" else "hl"), _td(secs(r["seconds"]), "num"),
+                     cell("prefill tok/s", top_p), cell("decode tok/s", top_d),
+                     _td(value_text(r["prefill tokens"]), "num"), _td(value_text(r["decode tokens"]), "num")])
+    groups = _table(["launch group", "cells", "model load s", "attempts"],
+                    [[_td(f"<code>{e(g.id)}</code>", raw=True), _td(len(g.cells), "num"),
+                      _td(" + ".join(f"{x:.2f}" for x in g.load_s) or "—", "num"), _td(value_text(g.attempts), "num")]
+                     for g in data.groups])
+    return ('<h2 id="speed">Speed and time</h2><p class="lead">Tokens per second as each cell measured them (prefill: '
+            "prompt and teacher-forced tokens; decode: generated tokens). A launch group loads the model once for all "
+            f"its cells.</p><p>{e(timing_totals(data))}</p>"
+            + _table(["cell", "launch group", "status", "seconds", "prefill tok/s", "decode tok/s", "prefill tokens",
+                      "decode tokens"], body) + groups)
+
+
+def _environment(data: ReportData) -> str:
+    common, differ, per_cell = env_table(data.cells)
+    head = ('<h2 id="env">Environment fingerprint</h2><p class="lead">From each record\'s own metadata. A new torch, '
+            "driver or library with the same settings is one of the commonest reasons bits move.</p>")
+    if not per_cell:
+        return head + '<p class="lead">No record could be read.</p>'
+    if differ:
+        base = data.cells[0].id if data.cells[0].id in per_cell else next(iter(per_cell))
+        rows = []
+        for c in data.cells:
+            if c.id not in per_cell:
+                rows.append([_td(f"<code>{e(c.id)}</code>", raw=True)] + [_td("no record", "muted")] * len(differ))
+                continue
+            vals = per_cell[c.id]
+            rows.append([_td(f"<code>{e(c.id)}</code>", raw=True)] + [
+                _td(value_text(vals[k]), "hl" if value_text(vals[k]) != value_text(per_cell[base][k]) else "") for k in differ])
+        diff_html = (f"<h3>Fields that differ ({len(differ)}) — highlighted where a cell differs from "
+                     f"<code>{e(base)}</code></h3>" + _table(["cell"] + differ, rows))
+    else:
+        diff_html = f"<p><span class=\"badge pass\">same</span> Every cell with a record ran in the same environment ({len(common)} fields).</p>"
+    kv = "".join(f"<div><b>{e(k)}</b><span class=\"mono\">{e(value_text(v))}</span></div>" for k, v in common.items())
+    return head + diff_html + f"<h3>Shared by every cell</h3><div class=\"kv\">{kv}</div>"
+
+
+def _commands(data: ReportData) -> str:
+    items = "".join(f"<h3>{e(label)}</h3><pre>{e(cmd)}</pre>" for label, cmd in data.commands if cmd)
+    return f'<h2 id="repro">Reproduce</h2>{items}'
+
+
+def _notes(data: ReportData) -> str:
+    if not data.notes:
+        return ""
+    return "<ul class=\"muted\">" + "".join(f"<li>{e(n)}</li>" for n in data.notes) + "</ul>"
+
+
+def render_html(data: ReportData) -> str:
+    sections = [_header(data), _notes(data), _pairs(data), _matrices(data), _histograms(data), _strip(data),
+                _divergences(data), _speed(data), _environment(data), _commands(data)]
+    return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+            "<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">"
+            "<meta http-equiv=\"Content-Security-Policy\" content=\"default-src 'none'; style-src 'unsafe-inline'; img-src data:\">"
+            "<link rel=\"icon\" href=\"data:,\">"
+            f"<title>{e(data.title)}</title><style>{CSS}</style></head><body><main>"
+            + "".join(sections)
+            + f"<footer>Written by repaudit {e(__version__)}. Self-contained: no script, no network.</footer>"
+            + "</main></body></html>\n")
