@@ -108,6 +108,7 @@ def run(
     nnodes: int = typer.Option(1, "--nnodes", help="nodes in the job (same command on every node)"),
     node_rank: int = typer.Option(0, "--node-rank", help="this node's rank"),
     rdzv_endpoint: Optional[str] = typer.Option(None, "--rdzv-endpoint", help="host:port of node 0 (several nodes)"),
+    trace: bool = typer.Option(False, "--trace", help="record a digest of every module's output (for `repaudit locate`)"),
     gate: bool = typer.Option(False, "--gate", help="exit 1 if any cell diverges from its reference"),
     max_ulp: Optional[int] = typer.Option(None, "--max-ulp", min=0, help="with --gate: tolerated ULP distance"),
     max_abs: Optional[float] = typer.Option(None, "--max-abs", min=0.0, help="with --gate: tolerated |Δ logprob|"),
@@ -131,8 +132,8 @@ def run(
         dtype = "float32" if device == "cpu" else "bfloat16"
     if nnodes < 1 or not 0 <= node_rank < nnodes:
         raise InputError(f"--node-rank {node_rank} must be in [0, --nnodes {nnodes})")
-    if nnodes > 1 and not rdzv_endpoint:
-        raise InputError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (node 0's address)")
+    if nnodes > 1 and (not rdzv_endpoint or not rdzv_endpoint.rpartition(":")[2].isdigit()):
+        raise InputError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (node 0's address and a free port)")
     if cpu_threads < 1:
         raise InputError("--cpu-threads must be at least 1")
     tps = _csv(tp, "--tp", int)
@@ -142,7 +143,7 @@ def run(
         model=model, engines=_csv(engine, "--engine"), tps=tps, batch_sizes=_csv(batch_size, "--batch-size", int),
         nccl=nccl_presets.resolve(names, custom), kernels=_csv(kernels, "--kernels"), modes=_csv(mode, "--mode"),
         dtype=dtype, device=device, probes=probes, max_new_tokens=max_new_tokens, topk=topk, baseline=baseline,
-        reference_per=_csv(reference_per, "--reference-per"),
+        reference_per=_csv(reference_per, "--reference-per"), trace=trace,
     )
     opts = RunOptions(
         out=out, cell_timeout=timeout, load_timeout=load_timeout, cpu_threads=cpu_threads,
@@ -151,6 +152,16 @@ def run(
         thresholds=Thresholds(max_ulp=max_ulp, max_abs=max_abs),
     )
     raise typer.Exit(commands.run(matrix, opts))
+
+
+@app.command()
+def locate(
+    a: Path = typer.Argument(..., help="first cell: its record (.parquet) or trace (.trace.parquet)"),
+    b: Path = typer.Argument(..., help="second cell"),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="write the result as JSON"),
+) -> None:
+    """Name the first module whose output bits differ between two traced cells. Exit 0 none, 1 found, 2 bad input."""
+    raise typer.Exit(commands.locate(a, b, json_path=json_out))
 
 
 def _fail(message: str) -> int:

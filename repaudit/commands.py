@@ -103,3 +103,13 @@ def run(matrix, opts, console: Console | None = None) -> int:
     from .run import run as run_matrix
 
     return run_matrix(matrix, opts, console)
+
+
+def locate(a: Path, b: Path, *, json_path: Path | None = None, console: Console | None = None) -> int:
+    from .locate import locate as locate_cells, print_locate
+
+    result = locate_cells(a, b)
+    print_locate(result, console or Console())
+    if json_path:
+        write_json_atomic(json_path, result.to_dict())
+    return 1 if result.diverged else 0

@@ -60,28 +60,35 @@ def _torch_mix(torch, z):
     return z ^ _lsr(torch, z, 31)
 
 
-def _torch_keys(torch, n: int, device):
-    key = (n, str(device))
+def _torch_keys(torch, n: int, device, offset: int = 0):
+    key = (n, offset, str(device))
     if key not in _KEY_CACHE:
-        base = torch.arange(n, dtype=torch.int64, device=device) + _signed((_SEED + _GOLDEN) % (1 << 64))
+        base = torch.arange(offset, offset + n, dtype=torch.int64, device=device) + _signed((_SEED + _GOLDEN) % (1 << 64))
         _KEY_CACHE[key] = _torch_mix(torch, base)
     return _KEY_CACHE[key]
 
 
-def row_digest(logits, rows_per_chunk: int = 64):
-    """Digest of each row of a float32 tensor [..., V] -> int64 tensor [...] (same bits as uint64)."""
+def row_digest(rows, rows_per_chunk: int = 64, offset: int = 0):
+    """Digest of each row of a float tensor [..., F] -> int64 tensor [...] (same bits as uint64).
+
+    float32 rows hash their 32-bit patterns, bfloat16/float16 rows their 16-bit patterns.
+    `offset` is the global index of the first column: a row sharded by columns across ranks
+    hashes to partial digests whose sum (mod 2^64) is the digest of the whole row.
+    """
     import torch
 
-    if logits.dtype != torch.float32:
-        raise TypeError(f"row_digest hashes float32 rows, got {logits.dtype}")
-    flat = logits.reshape(-1, logits.shape[-1])
-    keys = _torch_keys(torch, flat.shape[-1], flat.device)
+    widths = {torch.float32: (torch.int32, 0xFFFFFFFF), torch.bfloat16: (torch.int16, 0xFFFF), torch.float16: (torch.int16, 0xFFFF)}
+    if rows.dtype not in widths:
+        raise TypeError(f"row_digest hashes float32, bfloat16 or float16 rows, got {rows.dtype}")
+    view, mask = widths[rows.dtype]
+    flat = rows.reshape(-1, rows.shape[-1])
+    keys = _torch_keys(torch, flat.shape[-1], flat.device, offset)
     out = torch.empty(flat.shape[0], dtype=torch.int64, device=flat.device)
     for start in range(0, flat.shape[0], rows_per_chunk):
         block = flat[start : start + rows_per_chunk]
-        bits = block.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+        bits = block.contiguous().view(view).to(torch.int64) & mask
         out[start : start + rows_per_chunk] = _torch_mix(torch, bits ^ keys).sum(dim=-1)
-    return out.reshape(logits.shape[:-1])
+    return out.reshape(rows.shape[:-1])
 
 
 def to_uint64(digests) -> np.ndarray:

@@ -20,8 +20,10 @@ def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> Path:
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         tmp.unlink(missing_ok=True)
+        if isinstance(exc, OSError) and exc.filename is None:  # a failed write() names no file: name the target
+            raise OSError(exc.errno, exc.strerror or str(exc), str(path)) from exc
         raise
     return path
 
@@ -33,3 +35,20 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
 def write_json_atomic(path: str | os.PathLike, value: Any) -> Path:
     # allow_nan=False: a NaN metric must be a category, never a non-JSON token
     return write_text_atomic(path, json.dumps(value, indent=2, sort_keys=False, allow_nan=False) + "\n")
+
+
+def write_parquet_atomic(path: str | os.PathLike, table) -> Path:
+    """A pyarrow table to Parquet, under a temporary name renamed into place once complete."""
+    import pyarrow.parquet as pq
+
+    path = Path(path)
+    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
+    try:
+        pq.write_table(table, tmp, compression="lz4")
+        with open(tmp, "rb+") as fh:
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path

@@ -33,7 +33,7 @@ class UnsupportedLayer(Exception):
     """A layer tbik cannot make invariant; the message names it."""
 
 
-def _tp_styles(model: torch.nn.Module) -> dict[str, str]:
+def tp_styles(model: torch.nn.Module) -> dict[str, str]:
     """Module name -> TP style, from transformers' resolved plan."""
     from transformers.distributed.tensor_parallel import _get_parameter_tp_plan
 
@@ -53,7 +53,7 @@ def check_supported(model: torch.nn.Module, tp: int) -> None:
         raise UnsupportedLayer(f"sliding-window attention ({type(model).__name__}) is not covered by tbik's attention")
     if tp == 1:
         return
-    for name, style in _tp_styles(model).items():
+    for name, style in tp_styles(model).items():
         module = model.get_submodule(name)
         if style in _NEUTRAL:
             continue
@@ -115,7 +115,7 @@ def _row_parallel_tree(model: torch.nn.Module, tp: int) -> Iterator[None]:
     import torch.distributed as dist
 
     replaced = []
-    for name, style in _tp_styles(model).items():
+    for name, style in tp_styles(model).items():
         if style in _ROW:
             module = model.get_submodule(name)
             replaced.append((module, module.__dict__.get("forward")))

@@ -9,17 +9,20 @@ worker pid the workers reported), never by name.
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
 from .events import EventReader
+from .files import write_text_atomic
 from .jobspec import JobSpec
 
 POLL_S = 0.2
@@ -33,7 +36,6 @@ class Rendezvous:
     nnodes: int = 1
     node_rank: int = 0
     endpoint: str | None = None  # host:port of node 0, for several nodes
-    run_id: str = "repaudit"
 
 
 @dataclass
@@ -59,29 +61,52 @@ class Interrupted(Exception):
 
 
 def torchrun_command(spec_path: Path, nproc: int, rdzv: Rendezvous, attempt: int, log_dir: Path) -> list[str]:
+    # --log-dir: torchrun's own files go to the run directory, not to a torchelastic_* folder left in /tmp.
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--max-restarts=0",
-           "--monitor-interval=0.2"]
+           "--monitor-interval=0.2", f"--log-dir={log_dir}"]
     if rdzv.nnodes == 1:
         cmd += ["--standalone"]
     else:
-        cmd += [f"--nnodes={rdzv.nnodes}", f"--node-rank={rdzv.node_rank}", "--rdzv-backend=c10d",
-                f"--rdzv-endpoint={rdzv.endpoint}", f"--rdzv-id={rdzv.run_id}-{spec_path.stem}-{attempt}"]
+        # The static rendezvous numbers ranks by --node-rank, so global rank 0 (the one that writes
+        # records) is on node 0; c10d's dynamic rendezvous orders nodes by arrival instead.
+        host, _, port = rdzv.endpoint.rpartition(":")
+        cmd += [f"--nnodes={rdzv.nnodes}", f"--node-rank={rdzv.node_rank}", f"--master-addr={host}", f"--master-port={port}"]
     return cmd + ["-m", "repaudit.worker", str(spec_path)]
 
 
-_ROOT_CAUSE = re.compile(r"rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+).*?traceback\s*:\s*([^\n]*)", re.S)
+_FAILURE = re.compile(r"rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+).*?traceback\s*:\s*([^\n]*)", re.S)
+
+
+def _signal_name(num: int) -> str:
+    try:
+        return signal.Signals(num).name
+    except ValueError:
+        return f"signal {num}"
+
+
+def killed_rank(log_text: str) -> str | None:
+    """'rank R killed by SIGX' when torchrun saw a rank die of a signal it did not send itself.
+
+    Such a death is the cause, whatever its peers reported afterwards (a gloo/NCCL error,
+    torchrun's SIGTERM), and torchrun's "root cause" may name a peer when both were seen in
+    the same monitor pass. SIGTERM is what torchrun sends to the survivors of a failure, so
+    it never counts here.
+    """
+    tail = log_text[log_text.rfind("Failures:"):] if "Failures:" in log_text else ""
+    for m in _FAILURE.finditer(tail):
+        code = int(m.group(2))
+        if code < 0 and -code != signal.SIGTERM:
+            return f"rank {m.group(1)} killed by {_signal_name(-code)}"
+    return None
 
 
 def exit_reason(log_text: str, returncode: int | None) -> str:
     """The first failure torchrun observed, in one line."""
-    m = _ROOT_CAUSE.search(log_text.split("Root Cause", 1)[-1]) if "Root Cause" in log_text else None
+    m = _FAILURE.search(log_text.split("Root Cause", 1)[-1]) if "Root Cause" in log_text else None
     if m:
         rank, code, tb = m.group(1), int(m.group(2)), m.group(3).strip()
         if code < 0:
-            try:
-                return f"rank {rank} killed by {signal.Signals(-code).name}"
-            except ValueError:
-                return f"rank {rank} killed by signal {-code}"
+            return f"rank {rank} killed by {_signal_name(-code)}"
         detail = "" if tb.startswith("To enable") else f": {tb}"
         return f"rank {rank} exited with code {code}{detail}"
     return f"job exited with code {returncode}"
@@ -127,12 +152,20 @@ def _alive(pid: int) -> bool:
 class _Attempt:
     """What one torchrun job told us before it ended."""
 
+    ranks: int  # ranks of this job on this node: a cell is done when each has finished it
     pids: set[int] = field(default_factory=set)
     loaded: bool = False
-    current: str | None = None  # the cell in progress
-    current_since: float | None = None
-    failure_reason: dict[str, str] = field(default_factory=dict)
+    started: dict[str, float] = field(default_factory=dict)  # cell -> when its first cell_start was seen, in run order
+    failure_reason: dict[str, tuple[float, str]] = field(default_factory=dict)  # cell -> (worker time, reason), earliest
     job_failure: str | None = None
+    ended_by_us: bool = False  # the launcher ended the job (timeout): no other cell is to blame
+    done_by: dict[str, dict[int, dict]] = field(default_factory=dict)  # cell -> rank -> its cell_done event
+
+    def current(self, outcome: GroupOutcome) -> str | None:
+        """The cell in progress: the first started cell without an outcome. Ranks drift apart
+        (rank 0 still writes cell A while rank 1 has started B), so "the last cell_start seen"
+        or "nothing since the last cell_done" would blame the wrong cell or none."""
+        return next((cid for cid in self.started if cid not in outcome.cells), None)
 
 
 def run_group(
@@ -154,17 +187,30 @@ def run_group(
         outcome.attempts += 1
         n = outcome.attempts
         spec.events_dir = str(job_dir / f"{spec.group_id}.{n}")
+        # Job files are named by attempt, so a re-run in the same directory reuses the names: a previous
+        # run's events (appended to, they would be replayed as this job's: old cell_done, old cell_start) go.
+        for old in (Path(spec.events_dir), job_dir / f"{spec.group_id}.{n}.torchrun"):
+            shutil.rmtree(old, ignore_errors=True)
         spec.cells = [c for c in spec.cells if c["id"] in remaining]
-        spec_path = spec.write(job_dir / f"{spec.group_id}.{n}.json")
+        spec_path = write_text_atomic(job_dir / f"{spec.group_id}.{n}.json", json.dumps(asdict(spec)))
         log_path = job_dir / f"{spec.group_id}.{n}.log"
+        attempt = _Attempt(ranks=nproc)
+        known = len(outcome.cells)
         with open(log_path, "wb") as log:
-            proc = subprocess.Popen(torchrun_command(spec_path, nproc, rdzv, n, job_dir), stdout=log,
-                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True)
-            attempt = _follow(proc, EventReader(Path(spec.events_dir)), outcome, cell_timeout, load_timeout,
-                              on_event, should_stop)
+            proc = subprocess.Popen(torchrun_command(spec_path, nproc, rdzv, n, job_dir / f"{spec.group_id}.{n}.torchrun"),
+                                    stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                    start_new_session=True)
+            try:
+                _follow(proc, attempt, EventReader(Path(spec.events_dir)), outcome, cell_timeout, load_timeout,
+                        on_event, should_stop)
+            except BaseException:
+                # The caller failed (e.g. the manifest cannot be written: disk full): never leave the job running.
+                _kill(proc, attempt.pids)
+                raise
         if outcome.interrupted:
             break
-        why = lambda: exit_reason(log_path.read_text(errors="replace"), proc.returncode)  # noqa: E731
+        log_text = lambda: log_path.read_text(errors="replace")  # noqa: E731
+        why = lambda: exit_reason(log_text(), proc.returncode)  # noqa: E731
         left = [c for c in remaining if c not in outcome.cells]
         if left and not attempt.loaded:
             # Died before the model was ready: every remaining cell shares that fate, and a retry would repeat it.
@@ -172,10 +218,12 @@ def run_group(
             for cid in left:
                 outcome.cells[cid] = CellOutcome("failed", reason)
             break
-        if attempt.current and attempt.current not in outcome.cells:
-            outcome.cells[attempt.current] = CellOutcome("failed", attempt.failure_reason.get(attempt.current) or why())
+        current = None if attempt.ended_by_us else attempt.current(outcome)
+        if current:
+            own = attempt.failure_reason.get(current)
+            outcome.cells[current] = CellOutcome("failed", killed_rank(log_text()) or (own[1] if own else why()))
         remaining = [c for c in remaining if c not in outcome.cells]
-        if remaining and not attempt.current:
+        if remaining and len(outcome.cells) == known:  # no cell settled: a new job would end the same way
             reason = attempt.job_failure or f"the job ended without running this cell ({why()})"
             for cid in remaining:
                 outcome.cells[cid] = CellOutcome("failed", reason)
@@ -191,22 +239,27 @@ def _apply(ev: dict, attempt: _Attempt, outcome: GroupOutcome) -> None:
         attempt.loaded = True
         outcome.load_seconds.append(float(ev["seconds"]))
     elif kind == "cell_start":
-        attempt.current, attempt.current_since = cid, time.monotonic()
+        attempt.started.setdefault(cid, time.monotonic())
     elif kind == "cell_skip":
         outcome.cells.setdefault(cid, CellOutcome("skipped"))
     elif kind == "cell_done" and cid not in outcome.cells:
-        outcome.cells[cid] = CellOutcome("done", seconds=ev["seconds"], rows=ev["rows"], timing=ev["timing"],
-                                         ranks_differ=ev["ranks_differ"])
-        attempt.current = None
+        # Done when every rank is: rank 1 finishing says nothing about rank 0 writing the record.
+        done = attempt.done_by.setdefault(cid, {})
+        done[int(ev["rank"])] = ev
+        if len(done) >= attempt.ranks:
+            ev = done[min(done)]
+            outcome.cells[cid] = CellOutcome("done", seconds=ev["seconds"], rows=ev["rows"], timing=ev["timing"],
+                                             ranks_differ=ev["ranks_differ"])
     elif kind == "cell_failed":
-        attempt.failure_reason.setdefault(cid, ev["reason"])
+        # The first rank to fail is the cause; its peers' errors (a broken collective) are consequences.
+        if cid not in attempt.failure_reason or ev["t"] < attempt.failure_reason[cid][0]:
+            attempt.failure_reason[cid] = (ev["t"], ev["reason"])
     elif kind == "job_failed":
         attempt.job_failure = attempt.job_failure or ev["reason"]
 
 
-def _follow(proc: subprocess.Popen, reader: EventReader, outcome: GroupOutcome, cell_timeout: float,
+def _follow(proc: subprocess.Popen, attempt: _Attempt, reader: EventReader, outcome: GroupOutcome, cell_timeout: float,
             load_timeout: float, on_event: Callable[[dict], None], should_stop: Callable[[], bool]) -> _Attempt:
-    attempt = _Attempt()
     started_at = time.monotonic()
     while True:
         exited = proc.poll() is not None
@@ -216,18 +269,20 @@ def _follow(proc: subprocess.Popen, reader: EventReader, outcome: GroupOutcome, 
         if exited:
             return attempt
         now = time.monotonic()
+        current = attempt.current(outcome)
         if should_stop():
             _kill(proc, attempt.pids)
             outcome.interrupted = True
-            if attempt.current:
-                outcome.cells[attempt.current] = CellOutcome("interrupted", "stopped by the user")
+            if current:
+                outcome.cells[current] = CellOutcome("interrupted", "stopped by the user")
             return attempt
-        if attempt.current and now - attempt.current_since > cell_timeout:
+        if current and now - attempt.started[current] > cell_timeout:
             _kill(proc, attempt.pids)
-            outcome.cells[attempt.current] = CellOutcome("timeout", f"no result within --timeout {cell_timeout:g}s; job ended")
-            attempt.current = None
+            # The cells after it go on in a new job (run_group relaunches what is left).
+            outcome.cells[current] = CellOutcome("timeout", f"no result within --timeout {cell_timeout:g}s; job ended")
+            attempt.ended_by_us = True
             return attempt
-        if not attempt.loaded and not attempt.current and now - started_at > load_timeout:
+        if not attempt.loaded and not current and now - started_at > load_timeout:
             _kill(proc, attempt.pids)
             attempt.job_failure = f"model load did not finish within {load_timeout:g}s"
             return attempt

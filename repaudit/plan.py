@@ -57,6 +57,7 @@ class Matrix:
     topk: int = 5
     baseline: str | None = None
     reference_per: tuple[str, ...] = ("kernels", "mode")
+    trace: bool = False
 
     def settings(self) -> dict[str, Any]:
         """Run-wide settings a completed cell must share to be reused on resume."""

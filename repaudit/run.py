@@ -168,7 +168,7 @@ def cell_settings(cell: Cell, plan: Plan, ref: ModelRef, suite: Suite) -> dict[s
         "id": cell.id, "engine": cell.engine, "tp": cell.tp, "batch_size": cell.batch_size, "nccl": cell.nccl,
         "nccl_env": m.nccl[cell.nccl], "kernels": cell.kernels, "mode": cell.mode, "model": ref.id,
         "dtype": m.dtype, "device": m.device, "probes": suite.name, "probes_sha256": suite.sha256, "topk": m.topk,
-        "max_new_tokens": m.max_new_tokens,
+        "max_new_tokens": m.max_new_tokens, **({"trace": True} if m.trace else {}),
     }
 
 
@@ -220,6 +220,10 @@ def _job_env(group_env: dict[str, str], device: str, cpu_threads: int) -> dict[s
 def run(matrix: Matrix, opts: RunOptions, console: Console | None = None) -> int:
     console = console or Console(stderr=False)
     started = time.perf_counter()
+    # torch makes its compile cache in the system temp dir on import, triton in ~/.triton: both belong in
+    # repaudit's own cache (unless the user chose a place), so a run writes only there and in --out.
+    for var, sub in (("TORCHINDUCTOR_CACHE_DIR", "torchinductor"), ("TRITON_CACHE_DIR", "triton")):
+        os.environ.setdefault(var, str(builtin.cache_dir() / sub))
     suite = load_suite(matrix.probes)
     plan = expand(matrix)
     ref = resolve_model(matrix.model)
@@ -248,8 +252,6 @@ def run(matrix: Matrix, opts: RunOptions, console: Console | None = None) -> int
     for note in plan.notes:
         console.print(f"[dim]note: {escape(note)}[/]")
 
-    # Every node derives the same rendezvous id from the same command, wherever its --out is.
-    opts.rdzv.run_id = "repaudit-" + hashlib.sha256(json.dumps(_matrix_json(plan), sort_keys=True).encode()).hexdigest()[:12]
     run_dir = opts.out
     run_dir.mkdir(parents=True, exist_ok=True)
     inplace = inside_torchrun()
@@ -390,7 +392,7 @@ def _run_groups(plan, opts, run_dir, manifest, settings, already, prompts, ref, 
                 prompts=prompts, eos_id=eos_id, pad_id=pad_id, topk=plan.matrix.topk,
                 reference_cell=reference_cell.id if reference_cell else None, probes=suite.meta, tokenizer=tok_meta,
                 model={"id": ref.id, "weights_sha256": ref.weights_sha256}, cpu_threads=opts.cpu_threads,
-                trust_remote_code=opts.trust_remote_code,
+                trust_remote_code=opts.trust_remote_code, extra={"trace": plan.matrix.trace},
             )
             if inplace:
                 outcome = _run_inplace(spec, job_dir, group.nccl_env, on_event)

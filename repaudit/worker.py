@@ -18,7 +18,7 @@ import numpy as np
 
 from .engines.base import Sequence, Timing, TokenRows
 from .events import EventWriter
-from .faults import maybe_inject
+from .faults import maybe_inject, write_faults
 from .jobspec import JobSpec, cell_path
 from .records import RecordMeta, build_table, load_frame, write_table
 
@@ -86,9 +86,10 @@ def run_job(spec: JobSpec) -> None:
     from .kernelmodes import kernel_mode
 
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    rank = _init(spec)
-    events = EventWriter(Path(spec.events_dir), rank)
+    # The pid first, before the process group: a rank stuck in rendezvous must still be killable by its id.
+    events = EventWriter(Path(spec.events_dir), int(os.environ.get("RANK", "0")))
     events.emit("pid", pid=os.getpid(), local_rank=local_rank)
+    rank = _init(spec)
     # Rank 0 decides what is left to do, so nodes that cannot see the run directory agree.
     todo = broadcast_json([c for c in spec.cells if not cell_path(spec.out_dir, c["id"]).exists()] if rank == 0 else None)
     for c in spec.cells:
@@ -107,7 +108,6 @@ def run_job(spec: JobSpec) -> None:
         events.emit("cell_start", cell=cid)
         t_cell = time.perf_counter()
         try:
-            maybe_inject(cid, rank)
             if cell["mode"] == "score" and refs is None and any(p.completion is None for p in spec.prompts):
                 refs = _references(spec, rank)
             seqs = _sequences(spec, refs, cell["mode"])
@@ -116,6 +116,10 @@ def run_job(spec: JobSpec) -> None:
             run = hf.score if cell["mode"] == "score" else hf.generate
             total = sum(len(s.prompt) + (len(s.completion) if s.completion else s.max_new_tokens) for s in seqs)
             done_tokens = 0
+            if spec.extra.get("trace"):
+                from .trace import Tracer
+
+                model.tracer = Tracer(model.model, spec.tp)
             with kernel_mode(model, cell["kernels"]):
                 for i in range(0, len(seqs), cell["batch_size"]):
                     batch = seqs[i : i + cell["batch_size"]]
@@ -124,6 +128,13 @@ def run_job(spec: JobSpec) -> None:
                     timing.add(t)
                     done_tokens += sum(len(s.prompt) + (len(s.completion) if s.completion else s.max_new_tokens) for s in batch)
                     events.emit("progress", cell=cid, tokens=done_tokens, total=total)
+                    if i == 0:
+                        maybe_inject(cid, rank)  # tests only: a fault with the cell half done
+            traced = None
+            if model.tracer is not None:
+                model.tracer.detach()
+                traced = model.tracer.finish()  # a collective: every rank takes part
+                model.tracer = None
             digests = torch.from_numpy(np.concatenate([r.digest for r in rows]).view(np.int64))
             ranks_differ = rows_where_ranks_differ(digests)
             n_rows = sum(len(r.pos) for r in rows)
@@ -132,7 +143,12 @@ def run_job(spec: JobSpec) -> None:
                                   prompts=[], topk=spec.topk)
                 path = cell_path(spec.out_dir, cid)
                 path.parent.mkdir(parents=True, exist_ok=True)
-                write_table(path, _table(rows), meta)
+                if traced is not None:  # before the record: a completed record always has its trace
+                    from .trace import trace_path, write_trace
+
+                    write_trace(trace_path(path), traced[0], traced[1], cell)
+                with write_faults(cid, rank):
+                    write_table(path, _table(rows), meta)
         except BaseException as exc:  # noqa: BLE001 - reported, then the process ends
             events.emit("cell_failed", cell=cid, reason=_reason(exc), traceback=traceback.format_exc()[-4000:])
             sys.stdout.flush()

@@ -38,3 +38,13 @@ def make_record(tmp_path: Path) -> Callable[..., Path]:
         return path
 
     return make
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _repaudit_cache(tmp_path_factory) -> None:
+    """Built-in models are made once per test session in a temporary cache (never in ~/.cache),
+    unless REPAUDIT_CACHE is already set."""
+    import os
+
+    if not os.environ.get("REPAUDIT_CACHE"):
+        os.environ["REPAUDIT_CACHE"] = str(tmp_path_factory.mktemp("repaudit-cache"))

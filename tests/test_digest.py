@@ -93,10 +93,22 @@ def test_signed_zero_nan_payload_and_position_are_seen():
 
 
 def test_refuses_other_dtypes():
-    with pytest.raises(TypeError, match="float32"):
-        row_digest(torch.zeros(2, 3, dtype=torch.bfloat16))
-    with pytest.raises(TypeError, match="float32"):
+    with pytest.raises(TypeError, match="float32, bfloat16 or float16"):
         row_digest(torch.zeros(2, 3, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_column_shards_sum_to_the_whole_row(dtype):
+    """Tracing digests a column-sharded activation as the sum of its ranks' partial digests."""
+    x = torch.randn(5, 48).to(dtype)
+    whole = row_digest(x)
+    for shards in (2, 4, 8):
+        w = 48 // shards
+        parts = [row_digest(x[:, r * w:(r + 1) * w], offset=r * w) for r in range(shards)]
+        assert torch.equal(torch.stack(parts).sum(0), whole)  # int64 sum wraps mod 2^64, like the digest
+    flipped = x.clone()
+    flipped.view(torch.int16 if dtype != torch.float32 else torch.int32)[2, 7] ^= 1
+    assert row_digest(flipped)[2] != whole[2] and torch.equal(row_digest(flipped)[[0, 1, 3, 4]], whole[[0, 1, 3, 4]])
 
 
 def test_torch_digests_survive_a_record_round_trip(make_record):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -33,6 +33,22 @@ class HFModel:
     eos_id: int | None
     pad_id: int
     log_softmax: Callable[[torch.Tensor], torch.Tensor]
+    tracer: Any = None  # a repaudit.trace.Tracer while a traced cell runs
+
+
+def _forward(hfm: HFModel, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
+             real: torch.Tensor, prompt_ids: list[str], **kwargs) -> torch.Tensor:
+    """base_model forward; tells the tracer (if any) which flat rows are real and where they sit."""
+    if hfm.tracer is not None:
+        flat = real.flatten().nonzero().flatten()
+        rows_b = (flat // ids.shape[1]).cpu().numpy()
+        pos = positions.flatten()[flat].cpu().numpy()
+        hfm.tracer.begin(ids.shape[0], ids.shape[1], flat, np.asarray(prompt_ids, dtype=object)[rows_b], pos)
+    try:
+        return hfm.model.base_model(input_ids=ids, attention_mask=mask, position_ids=positions, **kwargs).last_hidden_state
+    finally:
+        if hfm.tracer is not None:
+            hfm.tracer.end()
 
 
 def load(path: str, *, dtype: str, device: str, tp: int, trust_remote_code: bool = False,
@@ -128,7 +144,7 @@ def score(hfm: HFModel, batch: list[Sequence], topk: int) -> tuple[list[TokenRow
 
     _sync(hfm.device)
     t0 = time.perf_counter()
-    hidden = hfm.model.base_model(input_ids=ids, attention_mask=mask, position_ids=positions).last_hidden_state
+    hidden = _forward(hfm, ids, mask, positions, mask.bool(), [s.prompt_id for s in batch])
     # Row (b, t) predicts the token at t + 1; gather the real ones.
     b_idx = torch.cat([torch.full((n - 1,), b, dtype=torch.long) for b, n in enumerate(lens)]).to(hfm.device)
     t_idx = torch.cat([torch.arange(n - 1) for n in lens]).to(hfm.device)
@@ -174,8 +190,8 @@ def generate(hfm: HFModel, batch: list[Sequence], topk: int) -> tuple[list[Token
 
     _sync(hfm.device)
     t0 = time.perf_counter()
-    hidden = hfm.model.base_model(input_ids=ids, attention_mask=mask, position_ids=positions,
-                                  past_key_values=cache, use_cache=True).last_hidden_state
+    pids = [s.prompt_id for s in batch]
+    hidden = _forward(hfm, ids, mask, positions, mask.bool(), pids, past_key_values=cache, use_cache=True)
     # Row (b, t) of a real prompt token predicts the token at t + 1.
     b_idx = torch.cat([torch.full((n - 1,), b, dtype=torch.long) for b, n in enumerate(plens)]).to(hfm.device)
     t_idx = torch.cat([torch.arange(T - n, T - 1) for n in plens]).to(hfm.device)
@@ -201,8 +217,8 @@ def generate(hfm: HFModel, batch: list[Sequence], topk: int) -> tuple[list[Token
         feed = torch.where(torch.from_numpy(done).to(hfm.device), torch.full_like(step["chosen"], hfm.pad_id), step["chosen"])
         mask = torch.cat([mask, torch.ones((B, 1), dtype=mask.dtype, device=hfm.device)], dim=1)
         positions = positions[:, -1:] + 1
-        h = hfm.model.base_model(input_ids=feed[:, None], attention_mask=mask, position_ids=positions,
-                                 past_key_values=cache, use_cache=True).last_hidden_state[:, -1]
+        live = torch.from_numpy(~done).to(hfm.device)[:, None]
+        h = _forward(hfm, feed[:, None], mask, positions, live, pids, past_key_values=cache, use_cache=True)[:, -1]
         step = choose(h)
     _sync(hfm.device)
     timing.decode_s = time.perf_counter() - t1

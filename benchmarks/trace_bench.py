@@ -1,0 +1,73 @@
+"""Tracing overhead: engine time of one cell with and without `--trace`'s hooks.
+
+    python benchmarks/trace_bench.py [--model builtin:tiny-qwen3] [--device cpu|cuda] [--probes smoke] [--batch-size 4]
+
+Loads the model once (TP=1), runs score and generate over the suite untraced, traced,
+untraced, traced, and reports the median engine time of each. Target: traced <= 2x.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "kernels")]
+
+import torch  # noqa: E402
+
+from repaudit import builtin  # noqa: E402
+from repaudit.engines import hf  # noqa: E402
+from repaudit.engines.base import Sequence  # noqa: E402
+from repaudit.probes import load_suite  # noqa: E402
+from repaudit.run import ModelRef, load_tokenizer, tokenize  # noqa: E402
+from repaudit.trace import Tracer  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="builtin:tiny-qwen3")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--probes", default="smoke")
+    ap.add_argument("--batch-size", type=int, default=4)
+    ap.add_argument("--max-new-tokens", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    path = builtin.ensure(args.model)
+    tok = load_tokenizer(ModelRef(args.model, path, None), False)
+    prompts = tokenize(load_suite(args.probes), tok, args.max_new_tokens, None)
+    dtype = "float32" if args.device == "cpu" else "bfloat16"
+    m = hf.load(str(path), dtype=dtype, device=args.device, tp=1, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id)
+    seqs = [Sequence(p.id, tuple(p.tokens), None, p.max_new_tokens) for p in prompts]
+
+    def cell(mode: str, traced: bool) -> float:
+        m.tracer = Tracer(m.model, 1) if traced else None
+        t0 = time.perf_counter()
+        run = hf.generate if mode == "generate" else hf.score
+        batch_seqs = seqs if mode == "generate" else [Sequence(s.prompt_id, s.prompt, tuple(s.prompt[:8]), 0) for s in seqs]
+        for i in range(0, len(batch_seqs), args.batch_size):
+            run(m, batch_seqs[i:i + args.batch_size], 5)
+        if traced:
+            m.tracer.detach()
+            m.tracer.finish()
+            m.tracer = None
+        if args.device == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    print(f"| mode | untraced s | traced s | traced / untraced |  ({args.model}, {args.device}, "
+          f"{args.probes}, batch {args.batch_size}, median of {args.repeats})")
+    print("|---|---|---|---|")
+    for mode in ("score", "generate"):
+        cell(mode, False)  # warm-up
+        plain = statistics.median(cell(mode, False) for _ in range(args.repeats))
+        traced = statistics.median(cell(mode, True) for _ in range(args.repeats))
+        print(f"| {mode} | {plain:.3f} | {traced:.3f} | {traced / plain:.2f} |")
+
+
+if __name__ == "__main__":
+    main()

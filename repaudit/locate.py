@@ -1,0 +1,169 @@
+"""`repaudit locate A B`: which module first changes the bits, and how the difference grows.
+
+Reads the two cells' traces (cells/<cell>.trace.parquet, written by `repaudit run --trace`),
+aligns them on (prompt, position, module) and compares digests. Per prompt, the first
+divergence is the earliest module in execution order whose output differs at any position;
+per module, the table counts differing positions and the largest ULP distance among the
+sampled features (a lower bound on the row's largest distance).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from .errors import InputError
+from .floats import ulp_distance_bits
+from .trace import KEY_CELL, KEY_MODULES, KEY_VERSION, SAMPLES, TRACE_VERSION, trace_path
+
+
+@dataclass
+class ModuleDiff:
+    name: str
+    order: int
+    style: str | None
+    compared: int
+    differing: int
+    max_ulp: int  # over the sampled features; NaN-vs-number samples are counted in nan_mismatch
+    nan_mismatch: int
+
+
+@dataclass
+class LocateResult:
+    a: str
+    b: str
+    cell_a: dict[str, Any]
+    cell_b: dict[str, Any]
+    modules: list[ModuleDiff]
+    first_by_prompt: dict[str, tuple[str, int] | None] = field(default_factory=dict)
+    only_in_one: list[str] = field(default_factory=list)
+
+    @property
+    def first(self) -> ModuleDiff | None:
+        return next((m for m in self.modules if m.differing), None)
+
+    @property
+    def diverged(self) -> bool:
+        return self.first is not None
+
+    def sentence(self) -> str:
+        first = self.first
+        if first is None:
+            return "no module output differs: every traced position is bitwise identical"
+        worst = max(self.modules, key=lambda m: (m.max_ulp, m.order))
+        text = f"first divergence: {first.name}" + (f" ({_style_words(first.style)})" if first.style else "")
+        if worst.max_ulp and worst.name != first.name:
+            text += f"; grows to max {worst.max_ulp} ULP by {worst.name}"
+        return text
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "a": self.a, "b": self.b, "cell_a": self.cell_a, "cell_b": self.cell_b, "summary": self.sentence(),
+            "first_by_prompt": {k: (None if v is None else {"module": v[0], "pos": v[1]}) for k, v in self.first_by_prompt.items()},
+            "modules": [m.__dict__ for m in self.modules], "only_in_one": self.only_in_one,
+        }
+
+
+def _style_words(style: str | None) -> str:
+    if not style:
+        return ""
+    if style.startswith("rowwise"):
+        return "row-parallel"
+    if style.startswith("colwise"):
+        return "column-parallel"
+    return style
+
+
+def _read(path: Path) -> tuple[pa.Table, dict[str, Any], dict[str, dict[str, Any]]]:
+    if not path.is_file():
+        raise InputError(f"{path}: no trace here (run the cell with `repaudit run --trace`)")
+    try:
+        pf = pq.ParquetFile(path)
+        meta = pf.schema_arrow.metadata or {}
+        if meta.get(KEY_VERSION.encode()) != str(TRACE_VERSION).encode():
+            raise InputError(f"{path}: not a repaudit trace of version {TRACE_VERSION}")
+        table = pf.read()
+        modules = {m["name"]: m for m in json.loads(meta[KEY_MODULES.encode()])}
+        cell = json.loads(meta[KEY_CELL.encode()])
+    except (pa.ArrowException, OSError, ValueError, KeyError) as exc:
+        raise InputError(f"{path}: unreadable trace ({type(exc).__name__})") from None
+    return table, cell, modules
+
+
+def _frame(table: pa.Table):
+    df = table.to_pandas()
+    df["prompt_id"] = df["prompt_id"].astype(str)
+    df["module"] = df["module"].astype(str)
+    return df
+
+
+def locate(path_a: str | Path, path_b: str | Path) -> LocateResult:
+    pa_, pb_ = trace_path(path_a), trace_path(path_b)
+    ta, cell_a, mods_a = _read(pa_)
+    tb, cell_b, mods_b = _read(pb_)
+    a, b = _frame(ta), _frame(tb)
+    shared = [n for n in mods_a if n in mods_b]
+    merged = a.merge(b, on=["prompt_id", "pos", "module"], suffixes=("_a", "_b"))
+    merged = merged[merged["module"].isin(shared)]
+    differ = (merged["digest_a"].to_numpy() != merged["digest_b"].to_numpy())
+    merged = merged.assign(differ=differ)
+
+    modules = []
+    for name in sorted(shared, key=lambda n: mods_a[n]["order"]):
+        rows = merged[merged["module"] == name]
+        d = rows[rows["differ"]]
+        max_ulp = nan = 0
+        if len(d):
+            sa, sb = np.stack(d["sample_a"].to_numpy()), np.stack(d["sample_b"].to_numpy())
+            u = ulp_distance_bits(sa, sb, mods_a[name]["dtype"])
+            max_ulp, nan = int(u.distance.max()), int(u.nan_vs_number.sum())
+        modules.append(ModuleDiff(name=name, order=int(mods_a[name]["order"]), style=mods_a[name].get("style"),
+                                  compared=len(rows), differing=len(d), max_ulp=max_ulp, nan_mismatch=nan))
+    order_of = {m.name: m.order for m in modules}
+    first: dict[str, tuple[str, int] | None] = {}
+    for pid, rows in merged.groupby("prompt_id"):
+        d = rows[rows["differ"]]
+        if not len(d):
+            first[pid] = None
+            continue
+        d = d.assign(o=d["module"].map(order_of)).sort_values(["o", "pos"])
+        first[pid] = (str(d["module"].iloc[0]), int(d["pos"].iloc[0]))
+    only = sorted(set(mods_a) ^ set(mods_b))
+    return LocateResult(str(pa_), str(pb_), cell_a, cell_b, modules, first, only)
+
+
+def print_locate(r: LocateResult, console) -> None:
+    from rich.table import Table
+
+    from .render import pct
+
+    t = Table(title=f"{r.cell_a.get('id')} vs {r.cell_b.get('id')}: module outputs, in execution order", header_style="bold")
+    for col in ("module", "TP style", "positions differing", "max ULP (sampled)"):
+        t.add_column(col, overflow="fold")
+    for m in r.modules:
+        style = "[red]" if m.differing else ""
+        t.add_row(f"{style}{m.name}", m.style or "", f"{m.differing}/{m.compared} ({pct(m.differing, m.compared)})",
+                  str(m.max_ulp) + (f" (+{m.nan_mismatch} NaN vs number)" if m.nan_mismatch else ""))
+    console.print(t)
+    diverged = {k: v for k, v in r.first_by_prompt.items() if v}
+    if diverged:
+        t2 = Table(title="first differing module per prompt", header_style="bold")
+        t2.add_column("prompt")
+        t2.add_column("module")
+        t2.add_column("position")
+        for pid, (mod, pos) in sorted(diverged.items(), key=lambda kv: (order_index(r, kv[1][0]), kv[1][1])):
+            t2.add_row(pid, mod, str(pos))
+        console.print(t2)
+    if r.only_in_one:
+        console.print(f"[yellow]traced in one cell only (not compared):[/] {', '.join(r.only_in_one)}")
+    console.print(f"[bold {'red' if r.diverged else 'green'}]{r.sentence()}[/]")
+
+
+def order_index(r: LocateResult, name: str) -> int:
+    return next((m.order for m in r.modules if m.name == name), 1 << 30)

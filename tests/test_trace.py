@@ -1,0 +1,152 @@
+"""`repaudit run --trace` and `repaudit locate` on CPU: the located first divergence is the
+true one, found independently by comparing whole module outputs; tbik locates nothing."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from repaudit import commands
+from repaudit.cli import main
+from repaudit.jobspec import cell_path
+from repaudit.locate import locate
+from repaudit.plan import Matrix
+from repaudit.records import load_frame
+from repaudit.run import RunOptions
+from repaudit.trace import SAMPLES, trace_path
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def traced(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("trace") / "run"
+    matrix = Matrix(model="builtin:tiny-qwen3", device="cpu", dtype="float32", probes="smoke", tps=(1, 2),
+                    batch_sizes=(1,), kernels=("stock", "tbik"), modes=("score",), trace=True)
+    assert commands.run(matrix, RunOptions(out=out, cell_timeout=600, load_timeout=600)) == 0
+    return out
+
+
+# Full module outputs at TP=1 and TP=2 for one sequence, compared whole: no digests involved.
+TRUTH = textwrap.dedent('''
+    import json, sys, torch, torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    path, tokens = sys.argv[1], json.loads(sys.argv[2])
+
+    def capture(model):
+        outs, order = {}, []
+        def keep(name, t):
+            if isinstance(t, tuple): t = t[0]
+            if isinstance(t, torch.Tensor) and t.dim() >= 3 and name not in outs:
+                outs[name] = (t.to_local() if hasattr(t, "to_local") else t).detach().reshape(t.shape[0] * t.shape[1], -1).clone()
+                order.append(name)
+        plan = {k: v for k, v in (model.tp_plan or {}).items()}
+        for name, m in model.named_modules():
+            if not name or "rotary" in name or m is model.get_output_embeddings():
+                continue
+            m.register_forward_hook(lambda mod, a, o, n=name: keep(n, o))
+            if any(__import__("fnmatch").fnmatch(name, p) and s.startswith("rowwise") for p, s in plan.items()):
+                m.register_forward_pre_hook(lambda mod, a, n=name + ":input": keep(n, a[0]))
+        return outs, order
+
+    def forward(model):
+        ids = torch.tensor([tokens])
+        with torch.inference_mode():
+            model.base_model(input_ids=ids, attention_mask=torch.ones_like(ids), position_ids=torch.arange(len(tokens))[None])
+
+    tp2 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, tp_plan="auto").eval()
+    outs2, order = capture(tp2)
+    forward(tp2)
+    gathered = {}
+    for name in order:
+        parts = [torch.empty_like(outs2[name]) for _ in range(2)]
+        dist.all_gather(parts, outs2[name])
+        gathered[name] = parts
+    if dist.get_rank() == 0:
+        tp1 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        outs1, _ = capture(tp1)
+        forward(tp1)
+        first = None
+        for name in order:
+            full = outs1[name]
+            parts = gathered[name]
+            # Sharded outputs hold half the features on each rank: join them; replicated ones are whole.
+            mine = torch.cat(parts, dim=1) if parts[0].shape[1] * 2 == full.shape[1] else parts[0]
+            if not torch.equal(mine.view(torch.int32), full.view(torch.int32)):
+                first = name
+                break
+        print("FIRST", json.dumps(first))
+    dist.destroy_process_group()
+''')
+
+
+def _true_first_module(model_dir: Path, tokens: list[int], tmp_path: Path) -> str | None:
+    script = tmp_path / "truth.py"
+    script.write_text(TRUTH)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                           str(script), str(model_dir), json.dumps(tokens)], capture_output=True, text=True, timeout=600)
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("FIRST ")), None)
+    assert line, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return json.loads(line[len("FIRST "):])
+
+
+def test_locate_names_the_true_first_module(traced: Path, tmp_path: Path):
+    a = cell_path(traced, "hf-tp1-bs1-default-stock-score")
+    b = cell_path(traced, "hf-tp2-bs1-default-stock-score")
+    result = locate(a, b)
+    assert result.diverged
+    manifest = json.loads((traced / "manifest.json").read_text())
+    df = load_frame(a)
+    for pid in ("smoke-arith", "smoke-fr"):
+        rows = df[df["prompt_id"] == pid].sort_values("pos")
+        tokens = _sequence_tokens(traced, pid, rows)
+        truth = _true_first_module(Path(manifest["model"]["path"]), tokens, tmp_path)
+        assert truth is not None
+        assert result.first_by_prompt[pid][0] == truth, (pid, result.first_by_prompt[pid], truth)
+    styles = {m.name: m.style for m in result.modules}
+    assert "layers.0." in result.first.name and styles[result.first.name].startswith("rowwise")
+    assert result.sentence().startswith(f"first divergence: {result.first.name} (row-parallel)")
+
+
+def _sequence_tokens(run: Path, pid: str, rows) -> list[int]:
+    spec = json.loads(sorted((run / "jobs" / "node0").glob("*.json"))[0].read_text())
+    prompt = next(p for p in spec["prompts"] if p["id"] == pid)["tokens"]
+    return [prompt[0]] + rows["token_id"].astype(int).tolist()
+
+
+def test_tbik_locates_nothing(traced: Path):
+    r = locate(cell_path(traced, "hf-tp1-bs1-default-tbik-score"), cell_path(traced, "hf-tp2-bs1-default-tbik-score"))
+    assert not r.diverged and all(m.differing == 0 and m.compared > 0 for m in r.modules)
+    assert r.sentence().startswith("no module output differs")
+
+
+def test_trace_format_and_cli(traced: Path, capsys, tmp_path: Path):
+    t = pq.read_table(trace_path(cell_path(traced, "hf-tp2-bs1-default-stock-score")))
+    meta = t.schema.metadata
+    assert meta[b"repaudit.trace_version"] == b"1"
+    modules = json.loads(meta[b"repaudit.trace_modules"])
+    by_name = {m["name"]: m for m in modules}
+    assert by_name["model.layers.0.self_attn.q_proj"]["sharded"] is True  # column-parallel: half per rank
+    assert by_name["model.layers.0.self_attn.o_proj"]["sharded"] is False  # reduced: whole on every rank
+    assert by_name["model.layers.0.self_attn.q_proj"]["features"] == 16 * 16
+    df = t.to_pandas()
+    assert len(df.iloc[0]["sample"]) == SAMPLES
+    assert not df.duplicated(["prompt_id", "pos", "module"]).any()
+    a = str(cell_path(traced, "hf-tp1-bs1-default-stock-score"))
+    b = str(cell_path(traced, "hf-tp2-bs1-default-stock-score"))
+    out = tmp_path / "locate.json"
+    assert main(["locate", a, b, "--json", str(out)]) == 1
+    assert json.loads(out.read_text())["summary"].startswith("first divergence: model.layers.0.")
+    assert main(["locate", str(cell_path(traced, "hf-tp1-bs1-default-tbik-score")),
+                 str(cell_path(traced, "hf-tp2-bs1-default-tbik-score"))]) == 0
+    capsys.readouterr()
+    assert main(["locate", a, str(tmp_path / "nope.parquet")]) == 2
+    assert capsys.readouterr().err.count("\n") == 1
