@@ -82,6 +82,21 @@ def _csv(text: str, flag: str, cast=str) -> tuple:
         raise InputError(f"{flag} {text!r}: expected a comma-separated list of {cast.__name__} values") from None
 
 
+def _key_values(items: list[str], flag: str) -> dict:
+    import json
+
+    out = {}
+    for item in items:
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
+            raise InputError(f"{flag} {item!r}: expected KEY=VALUE")
+        try:
+            out[key.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key.strip()] = value
+    return out
+
+
 @app.command()
 def run(
     model: str = typer.Option("builtin:tiny-qwen3", "--model", help="Hugging Face id, local path, or builtin:NAME"),
@@ -109,6 +124,7 @@ def run(
     node_rank: int = typer.Option(0, "--node-rank", help="this node's rank"),
     rdzv_endpoint: Optional[str] = typer.Option(None, "--rdzv-endpoint", help="host:port of node 0 (several nodes)"),
     trace: bool = typer.Option(False, "--trace", help="record a digest of every module's output (for `repaudit locate`)"),
+    vllm_arg: list[str] = typer.Option([], "--vllm-arg", help="a vLLM engine argument, KEY=VALUE (VALUE as JSON if it parses)"),
     gate: bool = typer.Option(False, "--gate", help="exit 1 if any cell diverges from its reference"),
     max_ulp: Optional[int] = typer.Option(None, "--max-ulp", min=0, help="with --gate: tolerated ULP distance"),
     max_abs: Optional[float] = typer.Option(None, "--max-abs", min=0.0, help="with --gate: tolerated |Δ logprob|"),
@@ -143,7 +159,7 @@ def run(
         model=model, engines=_csv(engine, "--engine"), tps=tps, batch_sizes=_csv(batch_size, "--batch-size", int),
         nccl=nccl_presets.resolve(names, custom), kernels=_csv(kernels, "--kernels"), modes=_csv(mode, "--mode"),
         dtype=dtype, device=device, probes=probes, max_new_tokens=max_new_tokens, topk=topk, baseline=baseline,
-        reference_per=_csv(reference_per, "--reference-per"), trace=trace,
+        reference_per=_csv(reference_per, "--reference-per"), trace=trace, vllm_args=_key_values(vllm_arg, "--vllm-arg"),
     )
     opts = RunOptions(
         out=out, cell_timeout=timeout, load_timeout=load_timeout, cpu_threads=cpu_threads,

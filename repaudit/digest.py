@@ -82,6 +82,10 @@ def row_digest(rows, rows_per_chunk: int = 64, offset: int = 0):
         raise TypeError(f"row_digest hashes float32, bfloat16 or float16 rows, got {rows.dtype}")
     view, mask = widths[rows.dtype]
     flat = rows.reshape(-1, rows.shape[-1])
+    if flat.is_cuda:
+        from .digest_kernel import digest_rows
+
+        return digest_rows(flat, offset=offset)[0].reshape(rows.shape[:-1])
     keys = _torch_keys(torch, flat.shape[-1], flat.device, offset)
     out = torch.empty(flat.shape[0], dtype=torch.int64, device=flat.device)
     for start in range(0, flat.shape[0], rows_per_chunk):

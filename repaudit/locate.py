@@ -20,7 +20,7 @@ import pyarrow.parquet as pq
 
 from .errors import InputError
 from .floats import ulp_distance_bits
-from .trace import KEY_CELL, KEY_MODULES, KEY_VERSION, SAMPLES, TRACE_VERSION, trace_path
+from .trace import KEY_CELL, KEY_MODULES, KEY_VERSION, TRACE_VERSION, trace_path
 
 
 @dataclass

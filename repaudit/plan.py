@@ -35,8 +35,10 @@ class Cell:
         return f"{self.engine}-tp{self.tp}-bs{self.batch_size}-{self.nccl}-{self.kernels}-{self.mode}"
 
     @property
-    def group_key(self) -> tuple[str, int, str]:
-        return (self.engine, self.tp, self.nccl)
+    def group_key(self) -> tuple:
+        # vLLM builds its TP group, and reads its kernel switches, once per process: a vLLM job
+        # holds one kernel mode; its batch sizes and modes run inside it, like a transformers job's.
+        return (self.engine, self.tp, self.nccl) + ((self.kernels,) if self.engine == "vllm" else ())
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,7 @@ class Matrix:
     baseline: str | None = None
     reference_per: tuple[str, ...] = ("kernels", "mode")
     trace: bool = False
+    vllm_args: dict[str, Any] = field(default_factory=dict)  # engine arguments for vLLM cells
 
     def settings(self) -> dict[str, Any]:
         """Run-wide settings a completed cell must share to be reused on resume."""
@@ -77,7 +80,8 @@ class LaunchGroup:
 
     @property
     def id(self) -> str:
-        return f"{self.engine}-tp{self.tp}-{self.nccl}"
+        base = f"{self.engine}-tp{self.tp}-{self.nccl}"
+        return f"{base}-{self.cells[0].kernels}" if self.engine == "vllm" else base
 
 
 @dataclass(frozen=True)
@@ -144,6 +148,10 @@ def expand(m: Matrix) -> Plan:
         raise InputError("--max-new-tokens must be at least 1")
     if m.topk < 0:
         raise InputError("--topk must be 0 (off) or more")
+    if m.trace and "vllm" in m.engines:
+        raise InputError("--trace hooks transformers modules and vLLM's model has none: trace with --engine hf")
+    if m.vllm_args and "vllm" not in m.engines:
+        raise InputError("--vllm-arg is for --engine vllm")
     bad_per = set(m.reference_per) - set(REFERENCE_DIMENSIONS)
     if bad_per:
         raise InputError(f"--reference-per {sorted(bad_per)}: expected names among {', '.join(REFERENCE_DIMENSIONS)}")
@@ -213,7 +221,7 @@ def validate_against_model(plan: Plan, shape: ModelShape, visible_devices: int |
             raise InputError(f"--tp {tp} does not divide the vocabulary ({shape.vocab_size}), which the lm_head shards")
         if visible_devices is not None and tp > visible_devices * nnodes:
             raise InputError(f"--tp {tp} needs {tp} GPUs but {visible_devices * nnodes} are visible")
-        if tp > 1 and not shape.tp_styles:
+        if tp > 1 and not shape.tp_styles and "hf" in plan.matrix.engines:
             raise InputError(f"model type {shape.model_type!r} has no tensor-parallel plan in transformers; use --tp 1")
     invariant = [k for k in plan.matrix.kernels if k != "stock"]
     if invariant:

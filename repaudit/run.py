@@ -239,7 +239,7 @@ def run(matrix: Matrix, opts: RunOptions, console: Console | None = None) -> int
     if "vllm" in matrix.engines:
         from .engines import vllm_engine
 
-        vllm_engine.require()
+        vllm_engine.require(matrix.device, opts.rdzv.nnodes)
     tok = load_tokenizer(ref, opts.trust_remote_code)
     prompts = tokenize(suite, tok, matrix.max_new_tokens, max_positions)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
@@ -319,6 +319,8 @@ def inside_torchrun() -> bool:
 
 
 def _check_inplace(plan: Plan) -> None:
+    if "vllm" in plan.matrix.engines:
+        raise InputError("--engine vllm starts its own TP workers and cannot run inside torchrun; run repaudit outside it")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     wrong = sorted({g.tp for g in plan.groups if g.tp != world})
     if wrong:
@@ -332,8 +334,8 @@ def expand_with(plan: Plan, extra: Cell) -> Plan:
     from dataclasses import replace
 
     groups = []
-    for g in plan.groups:
-        if (g.engine, g.tp, g.nccl) == extra.group_key:
+    for g in plan.groups:  # the baseline's group, which runs first
+        if g.cells[0].group_key == extra.group_key:
             g = replace(g, cells=(extra,) + g.cells)
         groups.append(g)
     return replace(plan, cells=plan.cells + (extra,), groups=tuple(groups),
@@ -392,13 +394,13 @@ def _run_groups(plan, opts, run_dir, manifest, settings, already, prompts, ref, 
                 prompts=prompts, eos_id=eos_id, pad_id=pad_id, topk=plan.matrix.topk,
                 reference_cell=reference_cell.id if reference_cell else None, probes=suite.meta, tokenizer=tok_meta,
                 model={"id": ref.id, "weights_sha256": ref.weights_sha256}, cpu_threads=opts.cpu_threads,
-                trust_remote_code=opts.trust_remote_code, extra={"trace": plan.matrix.trace},
+                trust_remote_code=opts.trust_remote_code, extra={"trace": plan.matrix.trace, "vllm_args": plan.matrix.vllm_args},
             )
             if inplace:
                 outcome = _run_inplace(spec, job_dir, group.nccl_env, on_event)
             else:
                 outcome = run_group(spec, job_dir,
-                    nproc=group.tp // opts.rdzv.nnodes, rdzv=opts.rdzv, cell_timeout=opts.cell_timeout,
+                    nproc=1 if group.engine == "vllm" else group.tp // opts.rdzv.nnodes, rdzv=opts.rdzv, cell_timeout=opts.cell_timeout,
                     load_timeout=opts.load_timeout, env=_job_env(group.nccl_env, plan.matrix.device, opts.cpu_threads),
                     on_event=on_event, should_stop=lambda: bool(stop))
             if leader:

@@ -153,7 +153,7 @@ def print_summary(summary: dict[str, Any], console: Console) -> None:
 
 
 def summary_markdown(summary: dict[str, Any]) -> str:
-    lines = [f"# repaudit run summary", "", f"Baseline `{summary['baseline']}`; each cell is compared with the baseline "
+    lines = ["# repaudit run summary", "", f"Baseline `{summary['baseline']}`; each cell is compared with the baseline "
              f"settings taken with its own {', '.join(summary['reference_per'])}.", "",
              "| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
     lines += ["| " + " | ".join(row) + " |" for row in table_rows(summary)]

@@ -21,7 +21,6 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 import torch
 import torch.distributed as dist
 
@@ -120,21 +119,29 @@ class Tracer:
             return
         if hasattr(out, "to_local"):
             out = out.to_local()
-        flat = out.reshape(batch * length, -1)[rows]
+        whole = out.reshape(batch * length, -1)
         calls = self.calls.get(name)
         if calls is None:
-            calls = self.calls[name] = _Calls(self._classify(name, flat))
+            calls = self.calls[name] = _Calls(self._classify(name, whole[rows]))
         info = calls.info
-        local = flat.shape[1]
+        local = whole.shape[1]
         offset = self.rank * local if info.sharded else 0
         if calls.pick is None:
-            idx = torch.linspace(0, info.features - 1, SAMPLES, device=flat.device).round().long() - offset
+            idx = torch.linspace(0, info.features - 1, SAMPLES, device=whole.device).round().long() - offset
             calls.owned = ((idx >= 0) & (idx < local)).long()
             calls.pick = idx.clamp(0, local - 1)
-        view, mask, _ = _BITS[flat.dtype]
-        calls.digests.append(row_digest(flat, rows_per_chunk=1 << 16, offset=offset))
-        # Features another rank owns count 0 here; the all-reduce in finish() adds them in.
-        calls.samples.append((flat[:, calls.pick].contiguous().view(view).to(torch.int64) & mask) * calls.owned)
+        # Features another rank owns count 0 in the samples; the all-reduce in finish() adds them in.
+        if whole.is_cuda:
+            from .digest_kernel import digest_rows  # triton: imported only where a GPU runs
+
+            digests, samples = digest_rows(whole, rows, offset, calls.pick, calls.owned)
+        else:
+            flat = whole[rows]
+            view, mask, _ = _BITS[flat.dtype]
+            digests = row_digest(flat, rows_per_chunk=1 << 16, offset=offset)
+            samples = (flat[:, calls.pick].contiguous().view(view).to(torch.int64) & mask) * calls.owned
+        calls.digests.append(digests)
+        calls.samples.append(samples)
         calls.keys.append(len(self._keys) - 1)
 
     def _classify(self, name: str, flat: torch.Tensor) -> ModuleInfo:

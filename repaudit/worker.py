@@ -1,8 +1,8 @@
 """One rank of a launch group: load the model once, run every cell of the group, and (rank 0)
 write one record per cell. Started by torchrun (or inside an existing torchrun/SLURM job).
 
-Any exception in a cell is reported as an event and ends the process at once: its peers may
-be blocked in a collective, and only the launcher can end the whole job cleanly.
+Any exception in a cell is reported as an event and ends the process at once (_cell_failed).
+A vLLM cell is a job of one process, vLLM's driver; vLLM starts its own TP workers.
 """
 
 from __future__ import annotations
@@ -68,13 +68,90 @@ def _sequences(spec: JobSpec, refs: dict[str, list[int]] | None, mode: str) -> l
     return out
 
 
+def _batches(cid: str, seqs: list[Sequence], batch_size: int, run_batch, events: EventWriter,
+             rank: int) -> tuple[list[TokenRows], Timing]:
+    """Run a cell's sequences batch by batch, reporting progress in tokens (prompt + completion)."""
+    work = lambda s: len(s.prompt) + (len(s.completion) if s.completion else s.max_new_tokens)  # noqa: E731
+    rows: list[TokenRows] = []
+    timing = Timing()
+    total, done = sum(work(s) for s in seqs), 0
+    for i in range(0, len(seqs), batch_size):
+        batch = seqs[i : i + batch_size]
+        out, t = run_batch(batch)
+        rows.extend(out)
+        timing.add(t)
+        done += sum(work(s) for s in batch)
+        events.emit("progress", cell=cid, tokens=done, total=total)
+        if i == 0:
+            maybe_inject(cid, rank)  # tests only: a fault with the cell half done
+    return rows, timing
+
+
 def _table(rows: list[TokenRows]):
     cat = lambda name: np.concatenate([getattr(r, name) for r in rows])  # noqa: E731
     ids = np.concatenate([np.full(len(r.pos), r.prompt_id, dtype=object) for r in rows])
     return build_table(prompt_id=ids, pos=cat("pos"), token_id=cat("token_id"), logprob=cat("logprob"),
                        phase=cat("phase"), topk_ids=cat("topk_ids") if rows[0].topk_ids.shape[1] else None,
                        topk_logprobs=cat("topk_logprobs") if rows[0].topk_ids.shape[1] else None,
-                       row_digest=cat("digest"), top1_id=cat("top1"))
+                       row_digest=None if rows[0].digest is None else cat("digest"), top1_id=cat("top1"))
+
+
+def _write(spec: JobSpec, cell: dict, rows: list[TokenRows], env: dict, traced) -> None:
+    """Rank 0: the cell's record (and its trace first: a completed record always has its trace)."""
+    meta = RecordMeta(cell=cell, env=env, probes=spec.probes, model=spec.model, tokenizer=spec.tokenizer,
+                      prompts=[], topk=spec.topk)
+    path = cell_path(spec.out_dir, cell["id"])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if traced is not None:
+        from .trace import trace_path, write_trace
+
+        write_trace(trace_path(path), traced[0], traced[1], cell)
+    with write_faults(cell["id"], 0):
+        write_table(path, _table(rows), meta)
+
+
+def _cell_failed(events: EventWriter, cid: str, exc: BaseException) -> None:
+    """Reported, then the process ends: peers may be blocked in a collective, and only the
+    launcher can end the whole job cleanly."""
+    events.emit("cell_failed", cell=cid, reason=_reason(exc), traceback=traceback.format_exc()[-4000:])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(3)
+
+
+def _run_vllm(spec: JobSpec, events: EventWriter, todo: list[dict]) -> None:
+    """A vLLM job: this process is vLLM's driver (vLLM starts the TP workers itself); one kernel
+    mode, its batch sizes and modes run on one LLM, as a transformers job's do on one model."""
+    from .engines import vllm_engine
+    from .fingerprint import environment
+
+    for var in vllm_engine.TORCHRUN_VARS:
+        os.environ.pop(var, None)
+    os.environ.update(vllm_engine.process_env(todo[0]["kernels"]))
+    # Reference completions are greedy generations of at most max_new_tokens tokens.
+    longest = max(len(p.tokens) + max(p.max_new_tokens, len(p.completion or ())) for p in spec.prompts)
+    refs = None
+    t0 = time.perf_counter()
+    llm = vllm_engine.load(vllm_engine.engine_args(
+        model_path=spec.model_path, tp=spec.tp, dtype=spec.dtype, batch_size=max(c["batch_size"] for c in todo),
+        max_len=longest + 1, topk=spec.topk, extra=spec.extra.get("vllm_args")))
+    events.emit("loaded", seconds=time.perf_counter() - t0)
+    env = environment(spec.device)
+    for cell in todo:
+        cid = cell["id"]
+        events.emit("cell_start", cell=cid)
+        t_cell = time.perf_counter()
+        try:
+            if cell["mode"] == "score" and refs is None and any(p.completion is None for p in spec.prompts):
+                refs = _references(spec, 0)
+            run = vllm_engine.score if cell["mode"] == "score" else vllm_engine.generate
+            rows, timing = _batches(cid, _sequences(spec, refs, cell["mode"]), cell["batch_size"],
+                                    lambda batch: run(llm, batch, spec.topk, spec.eos_id), events, 0)
+            _write(spec, cell, rows, env, None)
+        except BaseException as exc:  # noqa: BLE001
+            _cell_failed(events, cid, exc)
+        events.emit("cell_done", cell=cid, seconds=time.perf_counter() - t_cell, rows=sum(len(r.pos) for r in rows),
+                    ranks_differ=0, timing=timing.as_dict())
 
 
 def run_job(spec: JobSpec) -> None:
@@ -89,13 +166,17 @@ def run_job(spec: JobSpec) -> None:
     # The pid first, before the process group: a rank stuck in rendezvous must still be killable by its id.
     events = EventWriter(Path(spec.events_dir), int(os.environ.get("RANK", "0")))
     events.emit("pid", pid=os.getpid(), local_rank=local_rank)
-    rank = _init(spec)
+    # A vLLM job's one process must not touch CUDA: vLLM's workers would then have to be spawned, not forked.
+    rank = _init(spec) if spec.engine != "vllm" else 0
     # Rank 0 decides what is left to do, so nodes that cannot see the run directory agree.
     todo = broadcast_json([c for c in spec.cells if not cell_path(spec.out_dir, c["id"]).exists()] if rank == 0 else None)
     for c in spec.cells:
         if c not in todo:
             events.emit("cell_skip", cell=c["id"])
     if not todo:
+        return
+    if spec.engine == "vllm":
+        _run_vllm(spec, events, todo)
         return
     t0 = time.perf_counter()
     model = hf.load(spec.model_path, dtype=spec.dtype, device=spec.device, tp=spec.tp,
@@ -110,26 +191,14 @@ def run_job(spec: JobSpec) -> None:
         try:
             if cell["mode"] == "score" and refs is None and any(p.completion is None for p in spec.prompts):
                 refs = _references(spec, rank)
-            seqs = _sequences(spec, refs, cell["mode"])
-            rows: list[TokenRows] = []
-            timing = Timing()
             run = hf.score if cell["mode"] == "score" else hf.generate
-            total = sum(len(s.prompt) + (len(s.completion) if s.completion else s.max_new_tokens) for s in seqs)
-            done_tokens = 0
             if spec.extra.get("trace"):
                 from .trace import Tracer
 
                 model.tracer = Tracer(model.model, spec.tp)
             with kernel_mode(model, cell["kernels"]):
-                for i in range(0, len(seqs), cell["batch_size"]):
-                    batch = seqs[i : i + cell["batch_size"]]
-                    out, t = run(model, batch, spec.topk)
-                    rows.extend(out)
-                    timing.add(t)
-                    done_tokens += sum(len(s.prompt) + (len(s.completion) if s.completion else s.max_new_tokens) for s in batch)
-                    events.emit("progress", cell=cid, tokens=done_tokens, total=total)
-                    if i == 0:
-                        maybe_inject(cid, rank)  # tests only: a fault with the cell half done
+                rows, timing = _batches(cid, _sequences(spec, refs, cell["mode"]), cell["batch_size"],
+                                        lambda batch: run(model, batch, spec.topk), events, rank)
             traced = None
             if model.tracer is not None:
                 model.tracer.detach()
@@ -139,21 +208,9 @@ def run_job(spec: JobSpec) -> None:
             ranks_differ = rows_where_ranks_differ(digests)
             n_rows = sum(len(r.pos) for r in rows)
             if rank == 0:
-                meta = RecordMeta(cell=cell, env=env, probes=spec.probes, model=spec.model, tokenizer=spec.tokenizer,
-                                  prompts=[], topk=spec.topk)
-                path = cell_path(spec.out_dir, cid)
-                path.parent.mkdir(parents=True, exist_ok=True)
-                if traced is not None:  # before the record: a completed record always has its trace
-                    from .trace import trace_path, write_trace
-
-                    write_trace(trace_path(path), traced[0], traced[1], cell)
-                with write_faults(cid, rank):
-                    write_table(path, _table(rows), meta)
+                _write(spec, cell, rows, env, traced)
         except BaseException as exc:  # noqa: BLE001 - reported, then the process ends
-            events.emit("cell_failed", cell=cid, reason=_reason(exc), traceback=traceback.format_exc()[-4000:])
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(3)
+            _cell_failed(events, cid, exc)
         events.emit("cell_done", cell=cid, seconds=time.perf_counter() - t_cell, rows=n_rows,
                     ranks_differ=ranks_differ, timing=timing.as_dict())
 

@@ -23,7 +23,7 @@ RUN = ["run", "--model", "builtin:tiny-qwen3", "--probes", "smoke", "--max-new-t
 @pytest.fixture(scope="module", autouse=True)
 def _warm():
     """Imports and the built-in model's files, made once: what is timed below is the validation."""
-    import transformers  # noqa: F401
+    import transformers  # noqa: F401 (imported here so it is not timed below)
 
     from repaudit import builtin
 

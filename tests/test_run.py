@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +15,6 @@ import pytest
 from repaudit import commands
 from repaudit.diff import diff_records
 from repaudit.jobspec import cell_path
-from repaudit.launch import Rendezvous
 from repaudit.plan import Matrix
 from repaudit.records import load_frame
 from repaudit.run import RunOptions

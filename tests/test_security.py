@@ -11,7 +11,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 
 from repaudit import cli
 from repaudit.errors import InputError

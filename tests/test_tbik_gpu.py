@@ -221,3 +221,22 @@ def test_batch_invariant_mode_on_cuda():
     assert_bits_equal(one, full[9:10])
     assert_bits_equal(full, tbik.tree_matmul(x, lin.weight.t(), lin.bias))
     assert_bits_equal(ls, tbik.log_softmax(full.float()))
+
+
+# ---------------------------------------------------------------- repaudit's digest kernel (for --trace)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_digest_kernel_equals_the_reference_digest(dtype):
+    import numpy as np
+
+    from repaudit.digest import numpy_row_digest, row_digest
+    from repaudit.digest_kernel import digest_rows
+
+    x = torch.randn(64, VOCAB, device="cuda").to(dtype)
+    rows = torch.tensor([63, 0, 5], device="cuda")
+    got, _ = digest_rows(x, rows)
+    cpu = row_digest(x.cpu()[rows.cpu()])  # the torch element-wise path, on the CPU
+    assert torch.equal(got.cpu(), cpu)
+    if dtype == torch.float32:
+        assert np.array_equal(got.cpu().numpy().view(np.uint64), numpy_row_digest(x[rows].cpu().numpy()))

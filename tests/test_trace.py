@@ -150,3 +150,14 @@ def test_trace_format_and_cli(traced: Path, capsys, tmp_path: Path):
     capsys.readouterr()
     assert main(["locate", a, str(tmp_path / "nope.parquet")]) == 2
     assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_report_shows_the_first_divergent_module_of_traced_pairs(traced: Path):
+    assert main(["report", str(traced)]) == 0
+    html = (traced / "report.html").read_text()
+    md = (traced / "report.md").read_text()
+    truth = locate(cell_path(traced, "hf-tp1-bs1-default-stock-score"), cell_path(traced, "hf-tp2-bs1-default-stock-score"))
+    assert 'id="locate"' in html and truth.first is not None
+    assert f"<code>{truth.first.name}</code>" in html  # the stock TP=2 pair's first divergent module
+    assert "## Where in the model the bits first change" in md and f"`{truth.first.name}`" in md
+    assert "no module output differs" in md  # the tbik pair

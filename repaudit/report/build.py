@@ -64,6 +64,7 @@ class ReportData:
     commands: list[tuple[str, str]] = field(default_factory=list)
     token_note: str = ""
     notes: list[str] = field(default_factory=list)
+    locates: list[tuple[str, str, Any]] = field(default_factory=list)  # (cell, reference, LocateResult) of traced pairs
 
     @property
     def thresholds(self) -> Thresholds:
@@ -153,7 +154,21 @@ def build_run(run: RunInfo, thresholds: Thresholds, matrix_limit: int = MATRIX_L
     ]
     notes = [f"Cell × cell matrix for {mv.mode}: {mv.skipped}." for mv in matrices if mv.skipped]
     return ReportData("run", f"repaudit report: {run.name}", facts, gate, cells, pairs, matrices, groups,
-                      m.get("wall_s"), commands, text.note, notes)
+                      m.get("wall_s"), commands, text.note, notes, _locates(gate.pairs))
+
+
+def _locates(pairs: list[PairOutcome]) -> list[tuple[str, str, Any]]:
+    """`repaudit locate` for every compared pair whose two cells were traced (`run --trace`)."""
+    from ..locate import locate
+    from ..trace import trace_path
+
+    out = []
+    for p in pairs:
+        if p.result is None or p.path_a is None or p.path_b is None:
+            continue
+        if trace_path(p.path_a).is_file() and trace_path(p.path_b).is_file():
+            out.append((p.cell, p.reference, locate(p.path_a, p.path_b)))
+    return out
 
 
 def build_pair(outcome: PairOutcome, thresholds: Thresholds, gate: GateResult) -> ReportData:

@@ -110,6 +110,8 @@ def _header(data: ReportData) -> str:
         f'<div class="detail">{e(t.detail)}</div></div>' for t in tiles(data))
     links = [("pairs", "cells vs reference"), ("matrix", "cell × cell"), ("ulp", "ULP histograms"), ("first", "first divergence"),
              ("tokens", "divergent tokens"), ("speed", "speed"), ("env", "environment"), ("repro", "reproduce")]
+    if data.locates:
+        links.insert(5, ("locate", "first divergent module"))
     if data.kind != "run":
         links = [x for x in links if x[0] not in ("matrix", "speed")]
     nav = "<nav>" + "".join(f'<a href="#{k}">{e(v)}</a>' for k, v in links) + "</nav>"
@@ -162,26 +164,26 @@ def _matrix_svgs(mv: MatrixView) -> str:
         return f"<p class=\"lead\">{e(mv.mode)}: {e(mv.skipped)}.</p>"
     worst = max((x.ulp_max for x in mv.entries.values() if x.error is None), default=0)
 
-    def rate_cell(i: int, j: int):
-        x = mv.entry(i, j)
-        if x is None:
-            return None
-        hover = f"{mv.ids[i]}\nvs {mv.ids[j]}\n"
-        if x.error:
-            return (svg.NA, "n/a", hover + x.error)
-        return (svg.rate_colour(x.bitwise_equal, x.comparable), pct(x.bitwise_equal, x.comparable),
-                hover + f"bitwise-equal {x.bitwise_equal}/{x.comparable} ({pct(x.bitwise_equal, x.comparable)}); max {x.ulp_max} ULP"
-                + ("; identical" if x.identical else ""))
+    def heat_cell(show):
+        """(colour, text, hover) of entry (i, j) from show(entry) -> (colour, text, detail)."""
+        def cell(i: int, j: int):
+            x = mv.entry(i, j)
+            if x is None:
+                return None
+            hover = f"{mv.ids[i]}\nvs {mv.ids[j]}\n"
+            if x.error:
+                return (svg.NA, "n/a", hover + x.error)
+            colour, text, detail = show(x)
+            return colour, text, hover + detail
+        return cell
 
-    def ulp_cell(i: int, j: int):
-        x = mv.entry(i, j)
-        if x is None:
-            return None
-        hover = f"{mv.ids[i]}\nvs {mv.ids[j]}\n"
-        if x.error:
-            return (svg.NA, "n/a", hover + x.error)
-        return (svg.ulp_colour(x.ulp_max, worst), str(x.ulp_max),
-                hover + f"max {x.ulp_max} ULP; bitwise-equal {x.bitwise_equal}/{x.comparable} ({pct(x.bitwise_equal, x.comparable)})")
+    rate_cell = heat_cell(lambda x: (
+        svg.rate_colour(x.bitwise_equal, x.comparable), pct(x.bitwise_equal, x.comparable),
+        f"bitwise-equal {x.bitwise_equal}/{x.comparable} ({pct(x.bitwise_equal, x.comparable)}); max {x.ulp_max} ULP"
+        + ("; identical" if x.identical else "")))
+    ulp_cell = heat_cell(lambda x: (
+        svg.ulp_colour(x.ulp_max, worst), str(x.ulp_max),
+        f"max {x.ulp_max} ULP; bitwise-equal {x.bitwise_equal}/{x.comparable} ({pct(x.bitwise_equal, x.comparable)})"))
 
     marked = {i for i, cid in enumerate(mv.ids) if cid in mv.references}
     return ('<div class="plots">'
@@ -360,6 +362,29 @@ def _environment(data: ReportData) -> str:
     return head + diff_html + f"<h3>Shared by every cell</h3><div class=\"kv\">{kv}</div>"
 
 
+def _locate(data: ReportData) -> str:
+    if not data.locates:
+        return ""
+    rows = []
+    for cell, ref, lr in data.locates:
+        first = lr.first
+        rows.append([_td(f"<code>{e(cell)}</code><span class=\"sub\">vs {e(ref)}</span>", "id", raw=True),
+                     _td(f"<code>{e(first.name)}</code>" if first else "—", raw=True), _td(lr.sentence())])
+    details = []
+    for cell, ref, lr in data.locates:
+        if not lr.diverged:
+            continue
+        body = _table(["module", "TP style", "positions differing", "max ULP (sampled)"],
+                      [[_td(f"<code>{e(m.name)}</code>", raw=True), _td(m.style or ""), _td(f"{m.differing}/{m.compared}", "num"),
+                        _td(m.max_ulp, "num")] for m in lr.modules],
+                      row_cls=["fail" if m.differing else "pass" for m in lr.modules])
+        details.append(f"<details><summary><code>{e(cell)}</code> vs <code>{e(ref)}</code>: every module</summary>{body}</details>")
+    return ('<h2 id="locate">Where in the model the bits first change</h2><p class="lead">For each traced cell pair '
+            '(<code>repaudit run --trace</code>), the first module in execution order whose output bits differ at any '
+            'position, from per-module digests of every real position; the same as <code>repaudit locate</code>.</p>'
+            + _table(["cell", "first divergent module", "summary"], rows) + "".join(details))
+
+
 def _commands(data: ReportData) -> str:
     items = "".join(f"<h3>{e(label)}</h3><pre>{e(cmd)}</pre>" for label, cmd in data.commands if cmd)
     return f'<h2 id="repro">Reproduce</h2>{items}'
@@ -373,7 +398,7 @@ def _notes(data: ReportData) -> str:
 
 def render_html(data: ReportData) -> str:
     sections = [_header(data), _notes(data), _pairs(data), _matrices(data), _histograms(data), _strip(data),
-                _divergences(data), _speed(data), _environment(data), _commands(data)]
+                _divergences(data), _locate(data), _speed(data), _environment(data), _commands(data)]
     return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
             "<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">"
             "<meta http-equiv=\"Content-Security-Policy\" content=\"default-src 'none'; style-src 'unsafe-inline'; img-src data:\">"

@@ -125,6 +125,13 @@ def render_markdown(data: ReportData) -> str:
             parts += [table(["prompt", "position", "what differs", "bits first differ", "text before ⟶ token", "token A", "logprob A",
                              "token B", "logprob B", "ULP", "prompt bitwise-equal", "prompt max ULP"], rows), ""]
 
+    if data.locates:
+        parts += ["## Where in the model the bits first change", "",
+                  "Traced cell pairs (`repaudit run --trace`), as `repaudit locate` reports them.", ""]
+        parts += [table(["cell", "reference", "first divergent module", "summary"],
+                        [[code(c), code(r), code(lr.first.name) if lr.first else "—", cell(lr.sentence())]
+                         for c, r, lr in data.locates]), ""]
+
     if data.kind == "run":
         parts += ["## Speed and time", "", cell(timing_totals(data)), ""]
         parts += [table(["cell", "launch group", "status", "seconds", "prefill tok/s", "decode tok/s"],
