@@ -5,8 +5,9 @@ from __future__ import annotations
 import errno
 import json
 import os
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 
 def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> Path:
@@ -37,18 +38,26 @@ def write_json_atomic(path: str | os.PathLike, value: Any) -> Path:
     return write_text_atomic(path, json.dumps(value, indent=2, sort_keys=False, allow_nan=False) + "\n")
 
 
-def write_parquet_atomic(path: str | os.PathLike, table) -> Path:
-    """A pyarrow table to Parquet, under a temporary name renamed into place once complete."""
-    import pyarrow.parquet as pq
-
+@contextmanager
+def atomic_target(path: str | os.PathLike) -> Iterator[Path]:
+    """Yields the temporary name to write `path` under; once the body returns, the file is synced
+    to disk and renamed into place. On any failure the temporary file goes and `path` is untouched."""
     path = Path(path)
     tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
     try:
-        pq.write_table(table, tmp, compression="lz4")
+        yield tmp
         with open(tmp, "rb+") as fh:
             os.fsync(fh.fileno())
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    return path
+
+
+def write_parquet_atomic(path: str | os.PathLike, table) -> Path:
+    """A pyarrow table to Parquet, under a temporary name renamed into place once complete."""
+    import pyarrow.parquet as pq
+
+    with atomic_target(path) as tmp:
+        pq.write_table(table, tmp, compression="lz4")
+    return Path(path)

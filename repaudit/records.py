@@ -22,6 +22,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from .errors import InputError
+from .files import atomic_target
 from .schema import (
     KEY_CELL,
     KEY_ENV,
@@ -191,23 +192,15 @@ def write_table(path: str | os.PathLike, table: pa.Table, meta: RecordMeta) -> R
     if "id" not in meta.cell:
         raise InputError("cell metadata needs an 'id'")
     table = table.replace_schema_metadata(metadata)
-    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
-    try:
-        with pq.ParquetWriter(
-            tmp,
-            table.schema,
-            # LZ4 decodes about twice as fast as zstd here, and the diff is read-bound.
-            compression="lz4",
-            use_dictionary=["prompt_id", "phase"],
-            write_statistics=["prompt_id", "pos"],
-        ) as writer:
-            writer.write_table(table, row_group_size=ROW_GROUP_ROWS)
-        with open(tmp, "rb+") as fh:
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    with atomic_target(path) as tmp, pq.ParquetWriter(
+        tmp,
+        table.schema,
+        # LZ4 decodes about twice as fast as zstd here, and the diff is read-bound.
+        compression="lz4",
+        use_dictionary=["prompt_id", "phase"],
+        write_statistics=["prompt_id", "pos"],
+    ) as writer:
+        writer.write_table(table, row_group_size=ROW_GROUP_ROWS)
     return RecordMeta(**{**meta.__dict__, "prompts": prompts, "num_rows": table.num_rows, "path": path})
 
 
