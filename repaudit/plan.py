@@ -8,7 +8,7 @@ an out-of-memory failure at the largest batch size comes last.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .errors import InputError
@@ -61,13 +61,6 @@ class Matrix:
     reference_per: tuple[str, ...] = ("kernels", "mode")
     trace: bool = False
     vllm_args: dict[str, Any] = field(default_factory=dict)  # engine arguments for vLLM cells
-
-    def settings(self) -> dict[str, Any]:
-        """Run-wide settings a completed cell must share to be reused on resume."""
-        out = asdict(self)
-        for key in ("engines", "tps", "batch_sizes", "kernels", "modes", "baseline", "reference_per"):
-            out.pop(key)
-        return out
 
 
 @dataclass(frozen=True)

@@ -169,6 +169,7 @@ def cell_settings(cell: Cell, plan: Plan, ref: ModelRef, suite: Suite) -> dict[s
         "nccl_env": m.nccl[cell.nccl], "kernels": cell.kernels, "mode": cell.mode, "model": ref.id,
         "dtype": m.dtype, "device": m.device, "probes": suite.name, "probes_sha256": suite.sha256, "topk": m.topk,
         "max_new_tokens": m.max_new_tokens, **({"trace": True} if m.trace else {}),
+        **({"vllm_args": m.vllm_args} if cell.engine == "vllm" and m.vllm_args else {}),
     }
 
 

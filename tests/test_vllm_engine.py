@@ -138,3 +138,21 @@ def test_real_vllm_generate_and_score_on_a_gpu():
     again, _ = vllm_engine.score(llm, [Sequence(s.prompt_id, s.prompt, tuple(r.completion_tokens), 0)
                                        for s, r in zip(seqs, rows)], 3, eos_id=None)
     assert [a.token_id.tolist() for a in again] == [r.token_id.tolist() for r in rows]
+
+
+def test_vllm_engine_arguments_are_part_of_a_vllm_cells_settings_only():
+    """A resumed run must not reuse a vLLM cell made with other engine arguments (they can move bits)."""
+    from pathlib import Path
+
+    from repaudit.run import ModelRef, cell_settings
+    from repaudit.probes import load_suite
+
+    m = Matrix(model="x", engines=("hf", "vllm"), tps=(1,), batch_sizes=(1,), modes=("generate",), device="cuda",
+               vllm_args={"enforce_eager": False})
+    plan = expand(m)
+    ref, suite = ModelRef("x", Path("/m"), None), load_suite("smoke")
+    by_engine = {c.engine: cell_settings(c, plan, ref, suite) for c in plan.cells}
+    assert by_engine["vllm"]["vllm_args"] == {"enforce_eager": False}
+    assert "vllm_args" not in by_engine["hf"]
+    plain = expand(Matrix(model="x", engines=("vllm",), tps=(1,), batch_sizes=(1,), modes=("generate",), device="cuda"))
+    assert "vllm_args" not in cell_settings(plain.cells[0], plain, ref, suite)  # records made before stay reusable
