@@ -2,8 +2,8 @@
 tokenizer. Made on first use in repaudit's cache; nothing is downloaded.
 
 `builtin:tiny-qwen3` and `builtin:tiny-llama` are a few MB and run on a laptop CPU;
-`builtin:qwen3-0.6b` has Qwen3-0.6B's shapes (untied lm_head, 0.75 B parameters) for GPU
-evidence without a hub download.
+`builtin:qwen3-0.6b` and `builtin:qwen3-1.7b` have Qwen3-0.6B's and Qwen3-1.7B's shapes
+(untied lm_head: 0.75 B and 2.0 B parameters) for GPU evidence without a hub download.
 """
 
 from __future__ import annotations
@@ -57,6 +57,13 @@ BUILTINS = {
          "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "initializer_range": 0.02,
          "max_position_embeddings": 40960, "rope_theta": 1000000.0},
         seed=6,
+    ),
+    "qwen3-1.7b": BuiltinSpec(
+        "qwen3-1.7b", "qwen3",
+        {**_COMMON, "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 28,
+         "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "initializer_range": 0.02,
+         "max_position_embeddings": 40960, "rope_theta": 1000000.0},
+        seed=17,
     ),
 }
 

@@ -10,7 +10,7 @@ import typer
 
 from . import commands
 from .diff import Thresholds
-from .errors import InputError
+from .errors import EXIT_INPUT, InputError, os_error_exit_code
 
 app = typer.Typer(
     add_completion=False,
@@ -37,11 +37,19 @@ def diff(
     json_out: Optional[Path] = typer.Option(None, "--json", help="write the full result as JSON"),
     markdown_out: Optional[Path] = typer.Option(None, "--markdown", help="write a Markdown report"),
     html_out: Optional[Path] = typer.Option(None, "--html", help="write an HTML report with plots (self-contained)"),
+    clip: str = typer.Option("0.5,2.0", "--clip", help="RL metrics: importance-ratio bounds LO,HI for clip_frac (0 <= LO < HI)"),
 ) -> None:
-    """Compare two records bit by bit. Exit 0 within thresholds (default: identical), 1 beyond, 2 bad input."""
+    """Compare two records bit by bit (A: rollout / reference). Exit 0 within thresholds (default: identical), 1 beyond, 2 bad input."""
     th = Thresholds(max_ulp=max_ulp, max_abs=max_abs, max_seq_divergence=max_seq_divergence)
-    raise typer.Exit(commands.diff(a, b, thresholds=th, allow_partial=allow_partial,
+    raise typer.Exit(commands.diff(a, b, thresholds=th, allow_partial=allow_partial, clip=_clip(clip),
                                    json_path=json_out, markdown_path=markdown_out, html_path=html_out))
+
+
+def _clip(text: str) -> tuple[float, float]:
+    bounds = _csv(text, "--clip", float)
+    if len(bounds) != 2 or not 0 <= bounds[0] < bounds[1]:  # NaN fails the comparison too
+        raise InputError(f"--clip {text!r}: expected LO,HI with 0 <= LO < HI (e.g. 0.8,1.25)")
+    return bounds
 
 
 @app.command()
@@ -140,23 +148,10 @@ def run(
     custom = dict(nccl_presets.parse_custom(s) for s in nccl_set)
     names = list(_csv(nccl, "--nccl"))
     names += [n for n in custom if n not in names]
-    if device == "auto":
-        import torch
-
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if dtype == "auto":
-        dtype = "float32" if device == "cpu" else "bfloat16"
-    if nnodes < 1 or not 0 <= node_rank < nnodes:
-        raise InputError(f"--node-rank {node_rank} must be in [0, --nnodes {nnodes})")
-    if nnodes > 1 and (not rdzv_endpoint or not rdzv_endpoint.rpartition(":")[2].isdigit()):
-        raise InputError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (node 0's address and a free port)")
-    if cpu_threads < 1:
-        raise InputError("--cpu-threads must be at least 1")
-    tps = _csv(tp, "--tp", int)
-    if nnodes > 1 and any(t % nnodes for t in tps):
-        raise InputError(f"--tp {tp}: every TP size must be a multiple of --nnodes {nnodes}")
+    # `auto` device and dtype are resolved, and the options checked, by the run: the Python API shares them.
     matrix = Matrix(
-        model=model, engines=_csv(engine, "--engine"), tps=tps, batch_sizes=_csv(batch_size, "--batch-size", int),
+        model=model, engines=_csv(engine, "--engine"), tps=_csv(tp, "--tp", int),
+        batch_sizes=_csv(batch_size, "--batch-size", int),
         nccl=nccl_presets.resolve(names, custom), kernels=_csv(kernels, "--kernels"), modes=_csv(mode, "--mode"),
         dtype=dtype, device=device, probes=probes, max_new_tokens=max_new_tokens, topk=topk, baseline=baseline,
         reference_per=_csv(reference_per, "--reference-per"), trace=trace, vllm_args=_key_values(vllm_arg, "--vllm-arg"),
@@ -172,21 +167,22 @@ def run(
 
 @app.command()
 def locate(
-    a: Path = typer.Argument(..., help="first cell: its record (.parquet) or trace (.trace.parquet)"),
-    b: Path = typer.Argument(..., help="second cell"),
+    a: Path = typer.Argument(..., help="first cell: its record (RUN/cells/CELL.parquet) or trace (.trace.parquet)"),
+    b: Path = typer.Argument(..., help="second cell, the same way"),
     json_out: Optional[Path] = typer.Option(None, "--json", help="write the result as JSON"),
 ) -> None:
     """Name the first module whose output bits differ between two traced cells. Exit 0 none, 1 found, 2 bad input."""
     raise typer.Exit(commands.locate(a, b, json_path=json_out))
 
 
-def _fail(message: str) -> int:
+def _fail(message: str, code: int = EXIT_INPUT) -> int:
     print(f"repaudit: error: {message}", file=sys.stderr)
-    return 2
+    return code
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point. Every bad input ends as one line on stderr and exit code 2."""
+    """Entry point. Every bad input ends as one line on stderr and exit code 2; a failure of the
+    machine (disk full, read-only file system) as one line and exit code 5."""
     try:
         result = app(args=argv, standalone_mode=False)
     except InputError as exc:
@@ -198,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     except PermissionError as exc:
         return _fail(f"permission denied: {exc.filename or exc}")
     except OSError as exc:
-        return _fail(f"{exc.strerror or exc}: {exc.filename or ''}".rstrip(": "))
+        return _fail(f"{exc.strerror or exc}: {exc.filename or ''}".rstrip(": "), os_error_exit_code(exc))
     except Exception as exc:
         if not hasattr(exc, "format_message"):  # not a usage error (click's or typer's): a real bug
             raise

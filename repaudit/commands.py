@@ -1,6 +1,7 @@
 """One function per CLI command. Each returns the exit code; the CLI only parses arguments.
 
-Exit codes everywhere: 0 within thresholds, 1 divergence beyond thresholds, 2 bad input.
+Exit codes everywhere (repaudit/errors.py): 0 within thresholds, 1 divergence beyond thresholds,
+2 bad input, 5 the machine failed (disk full, read-only file system).
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from .diff import Thresholds, diff_records
+from .diff import DEFAULT_CLIP, Thresholds, diff_records
 from .files import write_json_atomic, write_text_atomic
 from .render import diff_markdown, print_diff
 
@@ -20,12 +21,13 @@ def diff(
     *,
     thresholds: Thresholds = Thresholds(),
     allow_partial: bool = False,
+    clip: tuple[float, float] = DEFAULT_CLIP,
     json_path: Path | None = None,
     markdown_path: Path | None = None,
     html_path: Path | None = None,
     console: Console | None = None,
 ) -> int:
-    result = diff_records(a, b, thresholds=thresholds, allow_partial=allow_partial)
+    result = diff_records(a, b, thresholds=thresholds, allow_partial=allow_partial, clip=clip)
     print_diff(result, console)
     if json_path:
         write_json_atomic(json_path, result.to_dict())
@@ -105,10 +107,22 @@ def run(matrix, opts, console: Console | None = None) -> int:
     return run_matrix(matrix, opts, console)
 
 
+def _one_cell(path: Path) -> Path:
+    """locate's argument: a cell's record or trace. A run directory holds many cells: say which could be meant."""
+    from .errors import InputError
+
+    if not path.is_dir():
+        return path
+    traced = [p.name.removesuffix(".trace.parquet") for p in sorted((path / "cells").glob("*.trace.parquet"))]
+    hint = f" (traced cells there: {', '.join(traced[:4])}{', ...' if len(traced) > 4 else ''})" if traced else ""
+    raise InputError(f"{path} is a directory; locate compares two cells: give each one's record, "
+                     f"RUN/cells/CELL.parquet{hint}")
+
+
 def locate(a: Path, b: Path, *, json_path: Path | None = None, console: Console | None = None) -> int:
     from .locate import locate as locate_cells, print_locate
 
-    result = locate_cells(a, b)
+    result = locate_cells(_one_cell(a), _one_cell(b))
     print_locate(result, console or Console())
     if json_path:
         write_json_atomic(json_path, result.to_dict())

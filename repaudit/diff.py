@@ -1,20 +1,24 @@
 """Diff two token records: align on (prompt_id, pos), compare bit patterns, decide a verdict.
 
 Both records are in canonical order, so alignment is a streaming merge over the int64 key
-(prompt rank << 32 | pos); memory is bounded by the batch size, not the file size.
+(prompt rank << 32 | pos); memory is bounded by the batch size, not the file size, except for
+what exact percentiles keep of the rows whose bits differ (ULP distances above 2**16, and the
+RL metrics' d: 8 bytes a row).
 
-Speed (10M rows in a fraction of a second): one thread per file reads its batches (Arrow
-decodes without the GIL) and validates them while the caller compares the previous ones. When
-both files cut their batches at the same rows, which is the usual case, a batch pair is
-recognised as aligned per prompt run and compared column against column with no key at all.
-Only rows whose logprob bits differ go on to the ULP, |a - b| and probability statistics. The
-hot path writes into reused work arrays (`_Work`), since fresh memory costs a page fault per
-page, and reads Arrow buffers as numpy views (`_values`; Array.to_numpy would import pandas).
+Speed (10M rows in about half a second without top-k lists; Arrow decodes a top-k list column
+about 20 times slower than a flat one, which roughly triples that at k = 5): one thread per file
+reads its batches (Arrow decodes without the GIL) and validates them while the caller compares
+the previous ones. When both files cut their batches at the same rows, which is the usual case,
+a batch pair is recognised as aligned per prompt run and compared column against column with no
+key at all. Only rows whose logprob bits differ go on to the ULP, |a - b|, probability and RL
+statistics. The hot path writes into reused work arrays (`_Work`), since fresh memory costs a
+page fault per page, and reads Arrow buffers as numpy views (`_values`; Array.to_numpy would
+import pandas).
 
 A row's logprob is only comparable when both sides scored the same token after the same
 context. In a prompt, the first position where the tokens differ (or where one side has a
 row the other lacks) is that prompt's *token divergence*; rows before it are comparable,
-the row at it still shares its context (so its distribution digest and top-1 are
+the row at it still shares its context (so its distribution digest, top-1 and top-k are
 compared), rows after it are counted but not compared. In score mode tokens never differ,
 so every row is compared; in generate mode, comparison stops where greedy decoding forked.
 """
@@ -80,6 +84,38 @@ class PromptDiff:
 
 _PROMPT_FIELDS = tuple(f.name for f in fields(PromptDiff))  # every field holds a str, bool, int or None
 
+DEFAULT_CLIP = (0.5, 2.0)
+
+
+@dataclass
+class RLMetrics:
+    """Trainer / rollout mismatch over the RL positions: comparable rows (same prompt, pos and token after
+    the same context) whose logprobs are finite on both sides. d = lp_b - lp_a; a is the rollout (the
+    sampling policy), b the trainer. None where there is no position (or, for the flip numbers, no top-1
+    or top-k to use). docs/metrics.md gives each formula and its precision."""
+
+    positions: int = 0
+    nonfinite: int = 0  # comparable rows left out: a NaN or ±inf logprob on a side
+    clip: tuple[float, float] = DEFAULT_CLIP
+    kl_k1: float | None = None
+    kl_k2: float | None = None
+    kl_k3: float | None = None
+    ratio_min: float | None = None
+    ratio_p50: float | None = None
+    ratio_p99: float | None = None
+    ratio_max: float | None = None
+    abs_diff_mean: float | None = None
+    abs_diff_max: float | None = None
+    clip_frac: float | None = None
+    seq_log_ratio_max: float | None = None
+    flip_positions: int = 0  # RL positions where both top-1 ids are recorded
+    flips: int = 0
+    flip_rate: float | None = None
+    flip_margin_p50: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: list(self.clip) if f.name == "clip" else _json_float(getattr(self, f.name)) for f in fields(self)}
+
 
 @dataclass
 class DiffResult:
@@ -105,8 +141,18 @@ class DiffResult:
     prob_max: float = 0.0
     digest_compared: int = 0
     digest_equal: int = 0
+    digest_only_a: int = 0  # rows of a shared context with a digest in A and none in B
+    digest_only_b: int = 0
     top1_compared: int = 0
     top1_equal: int = 0
+    top1_only_a: int = 0
+    top1_only_b: int = 0
+    topk_compared: int = 0
+    topk_ids_equal: int = 0
+    topk_logprobs_equal: int = 0
+    topk_only_a: int = 0
+    topk_only_b: int = 0
+    rl: RLMetrics = field(default_factory=RLMetrics)
     prompts: list[PromptDiff] = field(default_factory=list)
     env_differences: list[tuple[str, Any, Any]] = field(default_factory=list)
     cell_differences: list[tuple[str, Any, Any]] = field(default_factory=list)
@@ -132,6 +178,35 @@ class DiffResult:
         return self._rate(self.top1_equal, self.top1_compared)
 
     @property
+    def topk_ids_equal_rate(self) -> float | None:
+        return self._rate(self.topk_ids_equal, self.topk_compared)
+
+    @property
+    def topk_logprobs_equal_rate(self) -> float | None:
+        return self._rate(self.topk_logprobs_equal, self.topk_compared)
+
+    @property
+    def coverage(self) -> list[tuple[str, int, int, int]]:
+        """(what, rows compared, rows only A holds it, rows only B holds it) of the columns a record may lack."""
+        return [("row digests", self.digest_compared, self.digest_only_a, self.digest_only_b),
+                ("top-1 ids", self.top1_compared, self.top1_only_a, self.top1_only_b),
+                ("top-k lists", self.topk_compared, self.topk_only_a, self.topk_only_b)]
+
+    @property
+    def not_compared(self) -> list[str]:
+        """What could not be compared, as phrases (JSON `not_compared`)."""
+        out = []
+        for what, compared, only_a, only_b in self.coverage:
+            if not (compared or only_a or only_b):
+                out.append(f"{what}: in neither record")
+            out += [f"{what}: {n} positions hold them in {side} only" for side, n in (("A", only_a), ("B", only_b)) if n]
+        if self.rl.nonfinite:
+            out.append(f"RL metrics: {self.rl.nonfinite} positions with a NaN or infinite logprob left out")
+        if self.rl.flips and self.rl.flip_margin_p50 is None:
+            out.append("flip margin: record A holds no top-k list of 2 or more at the flipped positions")
+        return out
+
+    @property
     def shared_prompts(self) -> list[PromptDiff]:
         return [p for p in self.prompts if p.in_a and p.in_b]
 
@@ -147,14 +222,17 @@ class DiffResult:
 
     @property
     def identical(self) -> bool:
-        """Every bit of every shared row, digest and token agrees, and no row is left over."""
+        """Every prompt is in both records with the same tokens (so no row is left over), and every bit of
+        every recorded column agrees: logprob, row digest, top-1 id, top-k ids and logprobs, with no column
+        held on one side only. Identical implies the strict verdict passes, and with the same prompts on
+        both sides the strict verdict passes only when identical."""
         return (
             self.comparable == self.bitwise_equal
             and self.digest_equal == self.digest_compared
-            and self.after_divergence == 0
-            and self.unmatched_a == 0
-            and self.unmatched_b == 0
-            and all(p.in_a and p.in_b for p in self.prompts)
+            and self.top1_equal == self.top1_compared
+            and self.topk_ids_equal == self.topk_logprobs_equal == self.topk_compared
+            and not any(only_a or only_b for _, _, only_a, only_b in self.coverage)
+            and all(p.token_match for p in self.prompts)
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -175,8 +253,16 @@ class DiffResult:
                 "ulp_p99": self.ulp_p99, "abs_max": _json_float(self.abs_max),
                 "abs_mean": _json_float(self.abs_mean), "prob_max": _json_float(self.prob_max),
             },
-            "digest": {"compared": self.digest_compared, "equal": self.digest_equal, "equal_rate": self.digest_equal_rate},
-            "top1": {"compared": self.top1_compared, "equal": self.top1_equal, "agreement": self.top1_agreement},
+            "digest": {"compared": self.digest_compared, "equal": self.digest_equal, "equal_rate": self.digest_equal_rate,
+                       "only_a": self.digest_only_a, "only_b": self.digest_only_b},
+            "top1": {"compared": self.top1_compared, "equal": self.top1_equal, "agreement": self.top1_agreement,
+                     "only_a": self.top1_only_a, "only_b": self.top1_only_b},
+            "topk": {"k_a": self.a.topk, "k_b": self.b.topk, "compared": self.topk_compared,
+                     "ids_equal": self.topk_ids_equal, "ids_equal_rate": self.topk_ids_equal_rate,
+                     "logprobs_equal": self.topk_logprobs_equal, "logprobs_equal_rate": self.topk_logprobs_equal_rate,
+                     "only_a": self.topk_only_a, "only_b": self.topk_only_b},
+            "not_compared": self.not_compared,
+            "rl": self.rl.to_dict(),
             "sequences": {
                 "shared": len(self.shared_prompts),
                 "token_match_rate": self.seq_token_match_rate,
@@ -241,7 +327,7 @@ def cell_differences(a: dict[str, Any], b: dict[str, Any]) -> list[tuple[str, An
 
 # ------------------------------------------------------------------------------------ reading
 
-_COLUMNS = ["prompt_id", "pos", "token_id", "logprob", "top1_id", "row_digest"]
+_COLUMNS = ["prompt_id", "pos", "token_id", "logprob", "top1_id", "row_digest", "topk_ids", "topk_logprobs"]
 _NOT_NULL = ("prompt_id", "pos", "token_id", "logprob", "top1_id")
 _INF_BITS = 0x7F800000  # magnitude bits of inf; a larger magnitude is a NaN
 
@@ -298,10 +384,12 @@ def _ordered_runs(rank: np.ndarray, pos: np.ndarray, work: "_Work") -> np.ndarra
 class _Chunk:
     """Consecutive rows of one record, in canonical order, as numpy arrays (views of Arrow memory)."""
 
-    __slots__ = ("rank", "pos", "token", "bits", "digest", "digest_ok", "top1", "_bounds", "_key")
+    __slots__ = ("rank", "pos", "token", "bits", "digest", "digest_ok", "top1", "topk_ids", "topk_bits", "topk_len",
+                 "_bounds", "_key")
 
     def __init__(self, rank: np.ndarray, pos: np.ndarray, token: np.ndarray, bits: np.ndarray,
                  digest: np.ndarray | None, digest_ok: np.ndarray | None, top1: np.ndarray,
+                 topk_ids: np.ndarray, topk_bits: np.ndarray, topk_len: np.ndarray | None,
                  bounds: np.ndarray | None = None, key: np.ndarray | None = None):
         self.rank = rank  # int32: index of the prompt in the sorted union of both records' prompts
         self.pos = pos  # int32, >= 0, strictly increasing within a prompt
@@ -310,6 +398,9 @@ class _Chunk:
         self.digest = digest  # uint64, or None when no row has one
         self.digest_ok = digest_ok  # bool; None means every digest is valid
         self.top1 = top1  # int32, -1 where not recorded
+        self.topk_ids = topk_ids  # int32 (rows, w); w = 0 when no row has a top-k list
+        self.topk_bits = topk_bits  # uint32 (rows, w): the top-k logprobs' bit patterns
+        self.topk_len = topk_len  # int32 entries per row (the rest is zero padding), or None: every row has w
         self._bounds = bounds
         self._key = key
 
@@ -336,7 +427,14 @@ class _Chunk:
     def take(self, sl: slice | np.ndarray) -> "_Chunk":
         pick = lambda x: None if x is None else x[sl]  # noqa: E731
         return _Chunk(self.rank[sl], self.pos[sl], self.token[sl], self.bits[sl], pick(self.digest),
-                      pick(self.digest_ok), self.top1[sl], key=pick(self._key))
+                      pick(self.digest_ok), self.top1[sl], self.topk_ids[sl], self.topk_bits[sl], pick(self.topk_len),
+                      key=pick(self._key))
+
+    def topk_rows(self) -> np.ndarray | None:
+        """Which rows hold a top-k list: None when every row does."""
+        if not self.topk_ids.shape[1]:
+            return np.zeros(len(self), dtype=bool)
+        return None if self.topk_len is None else self.topk_len > 0
 
 
 def _same_keys(a: _Chunk, b: _Chunk) -> bool:
@@ -424,14 +522,46 @@ def _read_chunks(pf, path: Path, rank_of: dict[str, int], rows_per_prompt: np.nd
         else:
             digest = _values(dig, np.uint64)  # under a null: whatever the buffer holds, masked by digest_ok
             digest_ok = _validity(dig) if dig.null_count else None
+        topk_ids, topk_bits, topk_len = _topk(batch.column("topk_ids"), batch.column("topk_logprobs"), path)
         yield _Chunk(
             rank=rank, pos=pos,
             token=_values(batch.column("token_id"), np.int32),
             bits=_values(batch.column("logprob"), np.uint32),
             digest=digest, digest_ok=digest_ok,
             top1=_values(batch.column("top1_id"), np.int32),
+            topk_ids=topk_ids, topk_bits=topk_bits, topk_len=topk_len,
             bounds=bounds,
         )
+
+
+def _list_lengths(arr: pa.ListArray) -> tuple[np.ndarray, np.ndarray]:
+    """(offsets into the child's values, entries per row); a null list counts as no entries (not recorded)."""
+    offsets = _values(arr.offsets, np.int32)
+    lengths = np.diff(offsets)
+    if arr.null_count:
+        lengths[~_validity(arr)] = 0
+    return offsets, lengths
+
+
+def _topk(ids: pa.ListArray, lps: pa.ListArray, path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """The top-k lists as (rows, w) arrays of ids and logprob bit patterns: views of Arrow memory when every
+    row holds w entries (what build_table writes), else zero-padded copies with each row's length."""
+    if ids.values.null_count or lps.values.null_count:
+        raise InputError(f"{path}: corrupt data: nulls inside the top-k lists")
+    off_i, lengths = _list_lengths(ids)
+    off_l, lengths_l = _list_lengths(lps)
+    if not np.array_equal(lengths, lengths_l):
+        raise InputError(f"{path}: corrupt data: topk_ids and topk_logprobs lists differ in length")
+    vi, vl = _values(ids.values, np.int32), _values(lps.values, np.uint32)
+    n = len(lengths)
+    w = int(lengths.max()) if n else 0
+    if (lengths == w).all():
+        return (vi[off_i[0] : off_i[0] + n * w].reshape(n, w), vl[off_l[0] : off_l[0] + n * w].reshape(n, w), None)
+    held = np.arange(w) < lengths[:, None]
+    out_i, out_l = np.zeros((n, w), np.int32), np.zeros((n, w), np.uint32)
+    out_i[held] = vi[(off_i[:-1, None] + np.arange(w))[held]]
+    out_l[held] = vl[(off_l[:-1, None] + np.arange(w))[held]]
+    return out_i, out_l, lengths.astype(np.int32)
 
 
 def _prefetched(chunks: Iterator[_Chunk], path: Path, depth: int = 2) -> Iterator[_Chunk]:
@@ -489,8 +619,21 @@ class _Acc:
         self.abs_max = 0.0
         self.prob_max = 0.0
         self.after_divergence = self.nan_vs_number = self.nan_payload = 0
-        self.digest_compared = self.digest_equal = 0
-        self.top1_compared = self.top1_equal = 0
+        self.digest_compared = self.digest_equal = self.digest_only_a = self.digest_only_b = 0
+        self.top1_compared = self.top1_equal = self.top1_only_a = self.top1_only_b = 0
+        self.topk_compared = self.topk_ids_equal = self.topk_logprobs_equal = self.topk_only_a = self.topk_only_b = 0
+        # RL mismatch. d = b - a is 0 on every row whose bits agree, so only the differing rows are kept:
+        # d rounded once to float64 (8 bytes a row, with the count of its prompt's rows per chunk), which
+        # gives exact nearest-rank ratio percentiles and sums in one fixed order whatever the batching. At
+        # most 80 MB for the 10M-row benchmark even if every row differs, within the diff's 1.5 GB target;
+        # a bounded sketch would make the percentiles approximate.
+        self.rl_positions = self.rl_nonfinite = 0
+        self.rl_sum = _ExactSum()  # sum of a - b over the rows kept, exactly: k1
+        self.rl_d: list[np.ndarray] = []
+        self.rl_prompts: list[np.ndarray] = []  # per chunk: the prompts of the rows kept ...
+        self.rl_counts: list[np.ndarray] = []  # ... and how many rows each
+        self.flip_positions = self.flips = 0
+        self.flip_margins: list[np.ndarray] = []
         self.work = _Work()
 
     @property
@@ -525,17 +668,15 @@ class _Acc:
             same_context, comparable = pos <= limit, pos < limit
             self.after_divergence += n - int(np.count_nonzero(same_context))
 
-        # Distribution-level checks need only the same context.
-        if a.digest is not None and b.digest is not None:
-            ok = _all_of(same_context, a.digest_ok, b.digest_ok)
-            equal = np.equal(a.digest, b.digest, out=mask)
-            self.digest_compared += n if ok is None else int(np.count_nonzero(ok))
-            self.digest_equal += int(np.count_nonzero(equal if ok is None else np.logical_and(equal, ok, out=equal)))
-        known = None if a.top1.min() >= 0 and b.top1.min() >= 0 else (a.top1 >= 0) & (b.top1 >= 0)
-        ok = _all_of(same_context, known)
-        equal = np.equal(a.top1, b.top1, out=mask)
-        self.top1_compared += n if ok is None else int(np.count_nonzero(ok))
-        self.top1_equal += int(np.count_nonzero(equal if ok is None else np.logical_and(equal, ok, out=equal)))
+        # Distribution-level checks need only the same context; the RL ones need the same token and finite logprobs.
+        rl = _all_of(comparable, _finite(a.bits, b.bits, self.work))
+        n_comparable = n if comparable is None else int(np.count_nonzero(comparable))
+        n_rl = n if rl is None else int(np.count_nonzero(rl))
+        self.rl_positions += n_rl
+        self.rl_nonfinite += n_comparable - n_rl
+        self._digests(a, b, same_context, mask)
+        self._top1(a, b, same_context, rl, mask)
+        self._topk(a, b, same_context)
 
         # Logprob checks need the same token too.
         differ = np.not_equal(a.bits, b.bits, out=mask)
@@ -562,13 +703,62 @@ class _Acc:
         del idx
         self._differing(abits, bbits, prompts, first)
 
+    def _digests(self, a: _Chunk, b: _Chunk, ctx: np.ndarray | None, mask: np.ndarray) -> None:
+        if a.digest is None:  # neither side has one (_fix_digest gives the other side all-null digests)
+            return
+        both, n, only_a, only_b = _coverage(len(a), a.digest_ok, b.digest_ok, ctx)
+        self.digest_compared += n
+        self.digest_only_a += only_a
+        self.digest_only_b += only_b
+        self.digest_equal += n - _count(np.not_equal(a.digest, b.digest, out=mask), both)
+
+    def _top1(self, a: _Chunk, b: _Chunk, ctx: np.ndarray | None, rl: np.ndarray | None, mask: np.ndarray) -> None:
+        known_a = None if a.top1.min() >= 0 else a.top1 >= 0
+        known_b = None if b.top1.min() >= 0 else b.top1 >= 0
+        both, n, only_a, only_b = _coverage(len(a), known_a, known_b, ctx)
+        self.top1_compared += n
+        self.top1_only_a += only_a
+        self.top1_only_b += only_b
+        moved = np.not_equal(a.top1, b.top1, out=mask)
+        self.top1_equal += n - _count(moved, both)
+        # RL flips: positions of the RL metrics where both top-1 are known and differ
+        at = _all_of(rl, known_a, known_b)
+        self.flip_positions += len(a) if at is None else int(np.count_nonzero(at))
+        flipped = np.flatnonzero(moved if at is None else moved & at)
+        if len(flipped):
+            self.flips += len(flipped)
+            self._flip_margins(a, flipped)
+
+    def _flip_margins(self, a: _Chunk, rows: np.ndarray) -> None:
+        """Record A's top-1 minus top-2 logprob at the flipped rows that hold at least two entries."""
+        if a.topk_bits.shape[1] < 2:
+            return
+        if a.topk_len is not None:
+            rows = rows[a.topk_len[rows] >= 2]
+        top = a.topk_bits[rows, :2].view(np.float32).astype(np.float64)
+        margin = top[:, 0] - top[:, 1]
+        self.flip_margins.append(margin[~np.isnan(margin)])  # a NaN has no place in a median
+
+    def _topk(self, a: _Chunk, b: _Chunk, ctx: np.ndarray | None) -> None:
+        if not a.topk_ids.shape[1] and not b.topk_ids.shape[1]:
+            return  # neither side holds a list here
+        both, n, only_a, only_b = _coverage(len(a), a.topk_rows(), b.topk_rows(), ctx)
+        self.topk_compared += n
+        self.topk_only_a += only_a
+        self.topk_only_b += only_b
+        if n:
+            ids_differ, bits_differ = _topk_differ(a, b, self.work)
+            self.topk_ids_equal += n - _count(ids_differ, both)
+            self.topk_logprobs_equal += n - _count(bits_differ, both)
+
     def _differing(self, abits: np.ndarray, bbits: np.ndarray, prompts: np.ndarray, first: np.ndarray) -> None:
         """Comparable rows whose bits differ; abits[first[j]:first[j + 1]] belong to prompts[j]."""
         w = self.work
         k = len(abits)
         am = np.bitwise_and(abits, np.uint32(0x7FFFFFFF), out=w.get("am", np.uint32, k))
         bm = np.bitwise_and(bbits, np.uint32(0x7FFFFFFF), out=w.get("bm", np.uint32, k))
-        if max(int(am.max()), int(bm.max())) > _INF_BITS:  # a NaN somewhere
+        top = max(int(am.max()), int(bm.max()))
+        if top > _INF_BITS:  # a NaN somewhere
             a_nan, b_nan = am > _INF_BITS, bm > _INF_BITS
             self.nan_vs_number += int(np.count_nonzero(a_nan ^ b_nan))
             self.nan_payload += int(np.count_nonzero(a_nan & b_nan))
@@ -576,10 +766,9 @@ class _Acc:
             if not len(keep):
                 return
             abits, bbits, am, bm = abits[keep], bbits[keep], am[keep], bm[keep]
-            start = np.searchsorted(keep, first)
-            has = np.append(start[1:], len(keep)) > start
-            first, prompts = start[has], prompts[has]
+            first, prompts = _kept_segments(keep, first, prompts)
             k = len(keep)
+            top = max(int(am.max()), int(bm.max()))
 
         # ULP distance. Same sign: |difference of the bit patterns as int32| (the sign bits cancel).
         # Opposite signs: the sum of the magnitudes, up to 2 * 0x7F800000.
@@ -605,21 +794,21 @@ class _Acc:
         np.copyto(bv, bbits.view(np.float32))
         with np.errstate(invalid="ignore", over="ignore"):
             delta = np.subtract(av, bv, out=w.get("delta", np.float64, k))  # rounded once; infinite only against ±inf
-            # Same sign and same binade (the top 9 bits of x are 0): |a - b| is exact in float64 and
+            # Same sign and same binade (the top 9 bits of x are 0): a - b is exact in float64 and
             # summed by binade. The other pairs (few: across a power of two or zero, or against ±inf)
             # go to the general exact sum, and weigh 0 in the binade sums.
             other = np.flatnonzero(np.greater_equal(x, np.uint32(0x800000), out=w.get("other", bool, k)))
             if len(other):
                 self.abs_total.add(av[other], bv[other], delta[other])
+            weights = w.get("weights", np.float64, k)
+            np.copyto(weights, delta)
+            weights[other] = 0.0
+            exponent = _binades(abits, w)
+            self._rl_rows(abits, bbits, av, bv, delta, exponent, weights, other, top, prompts, first)
+            np.abs(weights, out=weights)
             np.abs(delta, out=delta)
             self.abs_max = max(self.abs_max, float(delta.max()))
-            if len(other):
-                weights = w.get("weights", np.float64, k)
-                np.copyto(weights, delta)
-                weights[other] = 0.0
-            else:
-                weights = delta
-            self.abs_total.add_binades(abits, weights, w)
+            self.abs_total.add_binades(exponent, weights)
             # |exp(a) - exp(b)|, in place. inf - inf where both exps overflow (logprobs > 709.78, which
             # no log-softmax gives): call it inf, never NaN (a NaN would win or lose max() depending
             # on batch order); max() returns NaN when there is one.
@@ -628,6 +817,24 @@ class _Acc:
             np.subtract(av, bv, out=av)
             prob = float(np.abs(av, out=av).max())
         self.prob_max = max(self.prob_max, math.inf if math.isnan(prob) else prob)
+
+    def _rl_rows(self, abits: np.ndarray, bbits: np.ndarray, av: np.ndarray, bv: np.ndarray, delta: np.ndarray,
+                 exponent: np.ndarray, same_binade: np.ndarray, other: np.ndarray, top: int, prompts: np.ndarray,
+                 first: np.ndarray) -> None:
+        """Keep d = b - a of the differing rows with finite logprobs (the RL positions among them), and add
+        a - b to the exact sum: same_binade holds the exact a - b of same-binade pairs (0 for `other`)."""
+        self.rl_sum.add_binades(exponent, same_binade)
+        finite = None
+        if top == _INF_BITS:  # ±inf on a side: not an RL position
+            finite = np.flatnonzero(np.isfinite(delta))
+            first, prompts = _kept_segments(finite, first, prompts)
+            other = other[np.isfinite(delta[other])]
+        if len(other):
+            self.rl_sum.add_binades(_binades(abits[other]), av[other])
+            self.rl_sum.add_binades(_binades(bbits[other]), -bv[other])
+        self.rl_d.append(np.negative(delta if finite is None else delta[finite]))
+        self.rl_prompts.append(prompts)
+        self.rl_counts.append(np.diff(first, append=len(self.rl_d[-1])))
 
 
 class _Work:
@@ -646,9 +853,9 @@ class _Work:
 
 
 class _ExactSum:
-    """Exact running sum of |a - b| over float32 pairs, so the mean cannot depend on how the rows
-    were cut into batches: it is rounded once, at the end. Every value is a multiple of 2**-149,
-    so the total is kept as an integer scaled by 2**149.
+    """Exact running sum of |a - b| over float32 pairs (or of a - b, for RL's k1), so the mean cannot
+    depend on how the rows were cut into batches: it is rounded once, at the end. Every value is a
+    multiple of 2**-149, so the total is kept as an integer scaled by 2**149.
 
     Pairs of the same sign and binade (biased exponent field E): a - b is exact in float64, a
     whole number of units 2**(max(E, 1) - 150) below 2**23 units, so a float64 sum of fewer than
@@ -657,17 +864,13 @@ class _ExactSum:
     whose sums float64 holds without rounding, repeat on the remainders)."""
 
     def __init__(self) -> None:
-        self.scaled = 0  # sum |a - b| * 2**149, exact
+        self.scaled = 0  # the sum * 2**149, exact
         self.infinite = False
 
-    def add_binades(self, bits: np.ndarray, diff: np.ndarray, work: _Work | None = None) -> None:
-        """bits: a's uint32 patterns; diff: the exact |a - b| (float64) where b has a's sign and
-        binade, 0 elsewhere."""
-        n = len(bits)
-        if not n:
-            return
-        exponent = np.right_shift(bits, np.uint32(23), out=work.get("exp32", np.uint32, n) if work else None)
-        exponent = np.bitwise_and(exponent, np.uint32(0xFF), out=work.get("exp", np.int64, n) if work else None)
+    def add_binades(self, exponent: np.ndarray, diff: np.ndarray) -> None:
+        """exponent: a's binades (`_binades`); diff: the exact a - b or |a - b| (float64) where b has a's
+        sign and binade, 0 elsewhere. (Also any float32 values with their own binades.)"""
+        n = len(exponent)
         step = 1 << 29
         for lo in range(0, n, step):
             sums = np.bincount(exponent[lo : lo + step], weights=diff[lo : lo + step], minlength=256)
@@ -700,6 +903,13 @@ class _ExactSum:
         return self.scaled / (n << 149)  # int / int is correctly rounded
 
 
+def _binades(bits: np.ndarray, work: _Work | None = None) -> np.ndarray:
+    """The biased exponent field of float32 bit patterns, as int64 (bincount's index type)."""
+    n = len(bits)
+    exponent = np.right_shift(bits, np.uint32(23), out=work.get("exp32", np.uint32, n) if work else None)
+    return np.bitwise_and(exponent, np.uint32(0xFF), out=work.get("exp", np.int64, n) if work else None)
+
+
 def _exact_sum_scaled(x: np.ndarray, scratch: np.ndarray | None = None) -> int:
     """sum(x) * 2**149, exactly, for float64 values that are multiples of 2**-149 (x is overwritten)."""
     total = 0
@@ -725,6 +935,68 @@ def _all_of(*masks: np.ndarray | None) -> np.ndarray | None:
     for m in present[1:]:
         out = out & m
     return out
+
+
+def _coverage(n: int, has_a: np.ndarray | None, has_b: np.ndarray | None,
+              ctx: np.ndarray | None) -> tuple[np.ndarray | None, int, int, int]:
+    """A column that may be absent from some of n rows (None: present in every row), over the rows ctx
+    selects: (rows where both sides hold it, or None for all; their count; rows only A holds; only B holds)."""
+    both = _all_of(ctx, has_a, has_b)
+    count = n if both is None else int(np.count_nonzero(both))
+    only_a = 0 if has_b is None else int(np.count_nonzero(_all_of(ctx, has_a, ~has_b)))
+    only_b = 0 if has_a is None else int(np.count_nonzero(_all_of(ctx, has_b, ~has_a)))
+    return both, count, only_a, only_b
+
+
+def _count(rows: np.ndarray | None, among: np.ndarray | None) -> int:
+    """How many of `rows` (None: none) are in `among` (None: every row)."""
+    if rows is None:
+        return 0
+    return int(np.count_nonzero(rows if among is None else rows & among))
+
+
+def _finite(a_bits: np.ndarray, b_bits: np.ndarray, work: "_Work") -> np.ndarray | None:
+    """Rows where both logprobs are finite numbers (no NaN, no ±inf): None when every row is."""
+    n = len(a_bits)
+    am = np.bitwise_and(a_bits, np.uint32(0x7FFFFFFF), out=work.get("finite_a", np.uint32, n))
+    bm = np.bitwise_and(b_bits, np.uint32(0x7FFFFFFF), out=work.get("finite_b", np.uint32, n))
+    if max(int(am.max()), int(bm.max())) < _INF_BITS:
+        return None
+    return (am < _INF_BITS) & (bm < _INF_BITS)
+
+
+def _rows_differ(x: np.ndarray, y: np.ndarray, work: "_Work") -> np.ndarray | None:
+    """Rows of two (rows, w) integer arrays that differ anywhere: None when none does. Equal arrays, the
+    usual case, are told by one memcmp (pyarrow's Buffer.equals), without writing a mask."""
+    x, y = np.ascontiguousarray(x), np.ascontiguousarray(y)
+    if pa.py_buffer(x).equals(pa.py_buffer(y)):
+        return None
+    return np.not_equal(x, y, out=work.get("topk", bool, x.size).reshape(x.shape)).any(axis=1)
+
+
+def _topk_differ(a: _Chunk, b: _Chunk, work: "_Work") -> tuple[np.ndarray | None, np.ndarray | None]:
+    """Rows whose top-k ids / top-k logprob bits differ (None: no row), lists of other lengths included."""
+    wa, wb = a.topk_ids.shape[1], b.topk_ids.shape[1]
+    if a.topk_len is None and b.topk_len is None and wa == wb:
+        return _rows_differ(a.topk_ids, b.topk_ids, work), _rows_differ(a.topk_bits, b.topk_bits, work)
+    # Padding is zero on both sides, so two lists of one length compare equal over the shorter width.
+    n, w = len(a), min(wa, wb)
+    lengths = np.not_equal(np.full(n, wa) if a.topk_len is None else a.topk_len,
+                           np.full(n, wb) if b.topk_len is None else b.topk_len)
+    ids = _rows_differ(a.topk_ids[:, :w], b.topk_ids[:, :w], work)
+    bits = _rows_differ(a.topk_bits[:, :w], b.topk_bits[:, :w], work)
+    return _all_differ(lengths, ids), _all_differ(lengths, bits)
+
+
+def _all_differ(lengths: np.ndarray, values: np.ndarray | None) -> np.ndarray:
+    return lengths if values is None else lengths | values
+
+
+def _kept_segments(keep: np.ndarray, first: np.ndarray, prompts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Segments (start of each prompt's rows, the prompts) of the rows `keep` selects out of segmented rows."""
+    start = np.searchsorted(keep, first)
+    has = np.append(start[1:], len(keep)) > start
+    return start[has], prompts[has]
 
 
 def _segments(rank: np.ndarray) -> np.ndarray:
@@ -770,7 +1042,8 @@ def _align(acc: _Acc, a: _Chunk, b: _Chunk) -> None:
 
 
 _EMPTY = _Chunk(np.empty(0, np.int32), np.empty(0, np.int32), np.empty(0, np.int32), np.empty(0, np.uint32),
-                None, None, np.empty(0, np.int32), key=np.empty(0, np.int64))
+                None, None, np.empty(0, np.int32), np.empty((0, 0), np.int32), np.empty((0, 0), np.uint32), None,
+                key=np.empty(0, np.int64))
 
 
 def _merge(acc: _Acc, sa: Iterator[_Chunk], sb: Iterator[_Chunk]) -> None:
@@ -805,7 +1078,7 @@ def _fix_digest(c: _Chunk, other: _Chunk) -> _Chunk:
     # A chunk from a file with digests in some batches and not others: treat the absent ones as invalid.
     if c.digest is None and other.digest is not None:
         return _Chunk(c.rank, c.pos, c.token, c.bits, np.zeros(len(c), np.uint64), np.zeros(len(c), bool), c.top1,
-                      bounds=c._bounds, key=c._key)
+                      c.topk_ids, c.topk_bits, c.topk_len, bounds=c._bounds, key=c._key)
     return c
 
 
@@ -818,8 +1091,10 @@ def diff_records(
     thresholds: Thresholds = Thresholds(),
     allow_partial: bool = False,
     batch_rows: int = 1 << 18,
+    clip: tuple[float, float] = DEFAULT_CLIP,
 ) -> DiffResult:
-    """Compare two records. Raises InputError when they cannot be compared."""
+    """Compare two records (A is the rollout / reference side of the RL metrics; `clip` bounds the
+    importance ratio for clip_frac). Raises InputError when they cannot be compared."""
     path_a, path_b = Path(path_a), Path(path_b)
     pf_a, meta_a = open_record(path_a)
     pf_b, meta_b = open_record(path_b)
@@ -838,12 +1113,13 @@ def diff_records(
         _prefetched(_read_chunks(pf_a, path_a, rank_of, acc.rows_a, batch_rows), path_a),
         _prefetched(_read_chunks(pf_b, path_b, rank_of, acc.rows_b, batch_rows), path_b),
     )
-    result = _finish(acc, meta_a, meta_b, union, thresholds)
+    result = _finish(acc, meta_a, meta_b, union, thresholds, clip)
     result.refusals = problems
     return result
 
 
-def _finish(acc: _Acc, a: RecordMeta, b: RecordMeta, union: list[str], th: Thresholds) -> DiffResult:
+def _finish(acc: _Acc, a: RecordMeta, b: RecordMeta, union: list[str], th: Thresholds,
+            clip: tuple[float, float]) -> DiffResult:
     in_a, in_b = set(a.prompts), set(b.prompts)
     prompts = []
     for i, pid in enumerate(union):
@@ -875,13 +1151,37 @@ def _finish(acc: _Acc, a: RecordMeta, b: RecordMeta, union: list[str], th: Thres
         ulp_p50=_percentile(acc, numeric, 0.50), ulp_p99=_percentile(acc, numeric, 0.99),
         abs_max=acc.abs_max, abs_mean=acc.abs_total.mean(numeric), prob_max=acc.prob_max,
         digest_compared=acc.digest_compared, digest_equal=acc.digest_equal,
+        digest_only_a=acc.digest_only_a, digest_only_b=acc.digest_only_b,
         top1_compared=acc.top1_compared, top1_equal=acc.top1_equal,
+        top1_only_a=acc.top1_only_a, top1_only_b=acc.top1_only_b,
+        topk_compared=acc.topk_compared, topk_ids_equal=acc.topk_ids_equal,
+        topk_logprobs_equal=acc.topk_logprobs_equal, topk_only_a=acc.topk_only_a, topk_only_b=acc.topk_only_b,
+        rl=_rl_metrics(acc, clip),
         prompts=prompts,
         env_differences=env_differences(a.env, b.env),
         cell_differences=cell_differences(a.cell, b.cell),
     )
     r.passed, r.reasons = verdict(r, th)
     return r
+
+
+_CANNOT = {"row digests": "cannot prove the distributions equal", "top-1 ids": "cannot compare the most likely tokens",
+           "top-k lists": "cannot compare the top-k"}
+
+
+def _one_sided(r: DiffResult) -> list[str]:
+    """A column one record holds and the other lacks is never taken as equal (both lacking it is fine:
+    nothing to compare, e.g. vLLM records have no row digests)."""
+    out = []
+    for what, compared, only_a, only_b in r.coverage:
+        for side, other, n, n_other in (("A", "B", only_a, only_b), ("B", "A", only_b, only_a)):
+            if not n:
+                continue
+            if compared or n_other:
+                out.append(f"{n} positions hold {what} in record {side} only; {_CANNOT[what]} there")
+            else:
+                out.append(f"record {other} has no {what} ({side} has them at {n} positions); {_CANNOT[what]}")
+    return out
 
 
 def verdict(r: DiffResult, th: Thresholds) -> tuple[bool, list[str]]:
@@ -893,6 +1193,11 @@ def verdict(r: DiffResult, th: Thresholds) -> tuple[bool, list[str]]:
             reasons.append(f"{r.digest_compared - r.digest_equal} of {r.digest_compared} logits rows differ (row digest)")
         if r.top1_equal != r.top1_compared:
             reasons.append(f"{r.top1_compared - r.top1_equal} of {r.top1_compared} positions change their most likely token")
+        if r.topk_ids_equal != r.topk_compared:
+            reasons.append(f"{r.topk_compared - r.topk_ids_equal} of {r.topk_compared} positions differ in their top-k ids")
+        if r.topk_logprobs_equal != r.topk_compared:
+            reasons.append(f"{r.topk_compared - r.topk_logprobs_equal} of {r.topk_compared} positions differ in their top-k logprob bits")
+        reasons += _one_sided(r)
     else:
         if th.max_ulp is not None and r.ulp_max > th.max_ulp:
             reasons.append(f"max ULP {r.ulp_max} > {th.max_ulp}")
@@ -911,3 +1216,79 @@ def verdict(r: DiffResult, th: Thresholds) -> tuple[bool, list[str]]:
             f"(first: {first.prompt_id!r} at pos {first.first_token_divergence})"
         )
     return (not reasons), reasons
+
+
+# ------------------------------------------------------------------------------------ RL metrics
+
+
+def _rl_metrics(acc: _Acc, clip: tuple[float, float]) -> RLMetrics:
+    out = RLMetrics(positions=acc.rl_positions, nonfinite=acc.rl_nonfinite, clip=clip,
+                    flip_positions=acc.flip_positions, flips=acc.flips)
+    n = acc.rl_positions
+    if not n:
+        return out
+    d = np.concatenate(acc.rl_d) if acc.rl_d else np.empty(0)  # one array, one summation order, any batching
+    zeros = n - len(d)  # RL positions whose bits agree: d = 0, ratio 1
+    # Sums the rows came in exactly, rounded once; the others in float64 over d in row order.
+    out.kl_k1 = acc.rl_sum.scaled / (n << 149)
+    out.abs_diff_mean = acc.abs_total.scaled / (n << 149)
+    out.kl_k2 = float(np.sum(np.square(d))) / (2 * n)
+    out.kl_k3 = float(np.sum(_exp_minus_1_minus(d))) / n
+    lo, p50, p99, hi = _nearest_ranks(d, zeros, [(0, 1), (1, 2), (99, 100), (1, 1)])
+    with np.errstate(over="ignore"):
+        out.ratio_min, out.ratio_p50, out.ratio_p99, out.ratio_max = (float(np.exp(x)) for x in (lo, p50, p99, hi))
+        ratio = np.exp(d)
+    out.abs_diff_max = max(abs(lo), abs(hi))
+    outside = int(np.count_nonzero(ratio < clip[0])) + int(np.count_nonzero(ratio > clip[1]))
+    out.clip_frac = (outside + (0 if clip[0] <= 1.0 <= clip[1] else zeros)) / n
+    out.seq_log_ratio_max = _seq_log_ratio_max(d, acc.rl_prompts, acc.rl_counts)
+    if acc.flip_positions:
+        out.flip_rate = acc.flips / acc.flip_positions
+    margins = np.concatenate(acc.flip_margins) if acc.flip_margins else np.empty(0)
+    if len(margins):
+        (out.flip_margin_p50,) = _nearest_ranks(margins, 0, [(1, 2)])
+    return out
+
+
+def _nearest_ranks(d: np.ndarray, zeros: int, quantiles: list[tuple[int, int]]) -> list[float]:
+    """Nearest-rank quantiles num/den (0/1 is the minimum) of d together with `zeros` more zeros: the k-th
+    smallest with k = max(1, ceil(n * num / den)), in integers."""
+    n = len(d) + zeros
+    ranks = [max(1, -(-n * num // den)) for num, den in quantiles]
+    below = int(np.count_nonzero(d < 0))
+    zero_end = below + zeros + int(np.count_nonzero(d == 0))
+    # In the sorted whole: d's negatives, then every zero, then d's positives (index shifted by `zeros`).
+    where = [r - 1 if r <= below else None if r <= zero_end else r - 1 - zeros for r in ranks]
+    picked = np.partition(d, sorted({i for i in where if i is not None})) if any(i is not None for i in where) else d
+    return [0.0 if i is None else float(picked[i]) for i in where]
+
+
+def _exp_minus_1_minus(d: np.ndarray) -> np.ndarray:
+    """exp(d) - 1 - d (the k3 term) without cancellation: where |d| <= 1/4, its Taylor series
+    d**2/2! + ... + d**J/J!, J as small as keeps the rest below 2**-56 of the sum (J = 5 for |d| up to
+    1e-5, as from bit noise); elsewhere expm1(d) - d (at most ~10 ulps off)."""
+    top = min(float(np.abs(d).max()), 0.25) if len(d) else 0.0
+    terms = 2
+    while 2 * top ** (terms - 1) / math.factorial(terms + 1) > 2.0**-56:
+        terms += 1
+    out = np.full_like(d, 1 / math.factorial(terms))
+    with np.errstate(over="ignore", invalid="ignore"):  # the series is garbage where |d| > 1/4: replaced below
+        for j in range(terms - 1, 1, -1):
+            out *= d
+            out += 1 / math.factorial(j)
+        out *= d
+        out *= d
+    big = np.flatnonzero(np.abs(d) > 0.25)
+    with np.errstate(over="ignore"):
+        out[big] = np.expm1(d[big]) - d[big]
+    return out
+
+
+def _seq_log_ratio_max(d: np.ndarray, prompts: list[np.ndarray], counts: list[np.ndarray]) -> float:
+    """Largest |sum of d| over one prompt's RL positions (its equal rows add 0)."""
+    if not len(d):
+        return 0.0
+    ranks, sizes = np.concatenate(prompts), np.concatenate(counts)
+    starts = np.cumsum(sizes) - sizes
+    new = np.flatnonzero(np.diff(ranks, prepend=-1))  # a prompt cut by a chunk boundary is one sequence
+    return float(np.abs(np.add.reduceat(d, starts[new])).max())

@@ -54,10 +54,19 @@ class GroupOutcome:
     load_seconds: list[float] = field(default_factory=list)
     attempts: int = 0
     interrupted: bool = False
+    logs: list[Path] = field(default_factory=list)  # each attempt's stdout + stderr (NCCL's debug lines too)
 
 
 class Interrupted(Exception):
     pass
+
+
+def worker_command(spec_path: Path) -> list[str]:
+    """A vLLM job: one plain process, vLLM's driver. Never under torchrun: torchrun sets
+    TORCHELASTIC_USE_AGENT_STORE=True, which makes every torch.distributed store a client of
+    torchrun's agent, so vLLM's own process group (a tcp:// store it means to host) waits
+    forever for a server that does not exist."""
+    return [sys.executable, "-m", "repaudit.worker", str(spec_path)]
 
 
 def torchrun_command(spec_path: Path, nproc: int, rdzv: Rendezvous, attempt: int, log_dir: Path) -> list[str]:
@@ -179,8 +188,10 @@ def run_group(
     env: dict[str, str],
     on_event: Callable[[dict], None],
     should_stop: Callable[[], bool],
+    pass_fds: tuple[int, ...] = (),
 ) -> GroupOutcome:
-    """Run the spec's cells, re-launching after failures, until each cell has an outcome."""
+    """Run the spec's cells, re-launching after failures, until each cell has an outcome.
+    `pass_fds` go to the job (the run directory's lock: the job holds it as long as it lives)."""
     outcome = GroupOutcome()
     remaining = [c["id"] for c in spec.cells]
     while remaining:
@@ -194,12 +205,15 @@ def run_group(
         spec.cells = [c for c in spec.cells if c["id"] in remaining]
         spec_path = write_text_atomic(job_dir / f"{spec.group_id}.{n}.json", json.dumps(asdict(spec)))
         log_path = job_dir / f"{spec.group_id}.{n}.log"
+        outcome.logs.append(log_path)
         attempt = _Attempt(ranks=nproc)
         known = len(outcome.cells)
         with open(log_path, "wb") as log:
-            proc = subprocess.Popen(torchrun_command(spec_path, nproc, rdzv, n, job_dir / f"{spec.group_id}.{n}.torchrun"),
+            cmd = (worker_command(spec_path) if spec.engine == "vllm"
+                   else torchrun_command(spec_path, nproc, rdzv, n, job_dir / f"{spec.group_id}.{n}.torchrun"))
+            proc = subprocess.Popen(cmd,
                                     stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                    start_new_session=True)
+                                    start_new_session=True, pass_fds=pass_fds)
             try:
                 _follow(proc, attempt, EventReader(Path(spec.events_dir)), outcome, cell_timeout, load_timeout,
                         on_event, should_stop)

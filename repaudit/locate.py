@@ -4,7 +4,9 @@ Reads the two cells' traces (cells/<cell>.trace.parquet, written by `repaudit ru
 aligns them on (prompt, position, module) and compares digests. Per prompt, the first
 divergence is the earliest module in execution order whose output differs at any position;
 per module, the table counts differing positions and the largest ULP distance among the
-sampled features (a lower bound on the row's largest distance).
+sampled features (a lower bound on the row's largest distance). Separately, each trace says
+where its own ranks disagreed on an output every rank should hold whole (a replicated one):
+"ranks disagree at module X" is a divergence inside one cell, reported before any other.
 """
 
 from __future__ import annotations
@@ -35,6 +37,20 @@ class ModuleDiff:
 
 
 @dataclass
+class RankDisagreement:
+    side: str  # "A" or "B"
+    cell: str
+    module: str
+    order: int
+    rows: int  # positions whose output bits are not the same on every rank
+    first: dict[str, Any] | None  # {"prompt_id", "pos"} of the first of them
+
+    def sentence(self) -> str:
+        where = f", first at {self.first['prompt_id']} pos {self.first['pos']}" if self.first else ""
+        return f"ranks disagree at module {self.module} in {self.side} ({self.cell}: {self.rows} positions{where})"
+
+
+@dataclass
 class LocateResult:
     a: str
     b: str
@@ -43,6 +59,7 @@ class LocateResult:
     modules: list[ModuleDiff]
     first_by_prompt: dict[str, tuple[str, int] | None] = field(default_factory=dict)
     only_in_one: list[str] = field(default_factory=list)
+    rank_disagreements: list[RankDisagreement] = field(default_factory=list)  # in execution order, per side
 
     @property
     def first(self) -> ModuleDiff | None:
@@ -50,23 +67,28 @@ class LocateResult:
 
     @property
     def diverged(self) -> bool:
-        return self.first is not None
+        return self.first is not None or bool(self.rank_disagreements)
 
     def sentence(self) -> str:
+        firsts = {d.side: d for d in reversed(self.rank_disagreements)}  # each side's earliest module
+        parts = [firsts[side].sentence() for side in sorted(firsts)]
         first = self.first
         if first is None:
-            return "no module output differs: every traced position is bitwise identical"
+            parts.append("no module output differs between A and B" if parts else
+                         "no module output differs: every traced position is bitwise identical")
+            return "; ".join(parts)
         worst = max(self.modules, key=lambda m: (m.max_ulp, m.order))
         text = f"first divergence: {first.name}" + (f" ({_style_words(first.style)})" if first.style else "")
         if worst.max_ulp and worst.name != first.name:
             text += f"; grows to max {worst.max_ulp} ULP by {worst.name}"
-        return text
+        return "; ".join(parts + [text])
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "a": self.a, "b": self.b, "cell_a": self.cell_a, "cell_b": self.cell_b, "summary": self.sentence(),
             "first_by_prompt": {k: (None if v is None else {"module": v[0], "pos": v[1]}) for k, v in self.first_by_prompt.items()},
             "modules": [m.__dict__ for m in self.modules], "only_in_one": self.only_in_one,
+            "rank_disagreements": [d.__dict__ for d in self.rank_disagreements],
         }
 
 
@@ -135,7 +157,17 @@ def locate(path_a: str | Path, path_b: str | Path) -> LocateResult:
         d = d.assign(o=d["module"].map(order_of)).sort_values(["o", "pos"])
         first[pid] = (str(d["module"].iloc[0]), int(d["pos"].iloc[0]))
     only = sorted(set(mods_a) ^ set(mods_b))
-    return LocateResult(str(pa_), str(pb_), cell_a, cell_b, modules, first, only)
+    disagreements = _rank_disagreements("A", cell_a, mods_a) + _rank_disagreements("B", cell_b, mods_b)
+    return LocateResult(str(pa_), str(pb_), cell_a, cell_b, modules, first, only, disagreements)
+
+
+def _rank_disagreements(side: str, cell: dict[str, Any], modules: dict[str, dict[str, Any]]) -> list[RankDisagreement]:
+    """The trace's own finding: replicated outputs whose ranks disagreed (traces made before it
+    was recorded say nothing, and count as none)."""
+    found = [RankDisagreement(side, str(cell.get("id")), name, int(m["order"]), int(m["ranks_disagree"]),
+                              m.get("first_disagreement"))
+             for name, m in modules.items() if m.get("ranks_disagree")]
+    return sorted(found, key=lambda d: d.order)
 
 
 def print_locate(r: LocateResult, console) -> None:
@@ -162,6 +194,8 @@ def print_locate(r: LocateResult, console) -> None:
         console.print(t2)
     if r.only_in_one:
         console.print(f"[yellow]traced in one cell only (not compared):[/] {', '.join(r.only_in_one)}")
+    for d in r.rank_disagreements:
+        console.print(f"[red]{d.sentence()}[/]")
     console.print(f"[bold {'red' if r.diverged else 'green'}]{r.sentence()}[/]")
 
 

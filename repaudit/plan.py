@@ -52,8 +52,8 @@ class Matrix:
     nccl: dict[str, dict[str, str]] = field(default_factory=lambda: {"default": {}})
     kernels: tuple[str, ...] = ("stock",)
     modes: tuple[str, ...] = ("generate", "score")
-    dtype: str = "auto"
-    device: str = "cpu"
+    dtype: str = "auto"  # fp32 on CPU, bf16 on GPU
+    device: str = "cpu"  # or cuda, or auto: cuda where a GPU is visible
     probes: str = "smoke"
     max_new_tokens: int | None = None
     topk: int = 5
@@ -127,8 +127,9 @@ def expand(m: Matrix) -> Plan:
     _check_in("--mode", m.modes, MODES)
     if m.dtype not in DTYPES + ("auto",):
         raise InputError(f"--dtype {m.dtype!r}: expected one of auto, {', '.join(DTYPES)}")
-    if m.device not in ("cpu", "cuda"):
-        raise InputError(f"--device {m.device!r}: expected cpu or cuda")
+    if m.device not in ("auto", "cpu", "cuda"):
+        raise InputError(f"--device {m.device!r}: expected auto, cpu or cuda")
+    m = resolve_auto(m)
     for tp in m.tps:
         if tp < 1:
             raise InputError(f"--tp {tp}: TP sizes are positive integers")
@@ -177,6 +178,18 @@ def expand(m: Matrix) -> Plan:
         for k, v in ordered
     )
     return Plan(matrix=m, cells=cells_t, groups=launch, baseline=baseline, notes=tuple(notes))
+
+
+def resolve_auto(m: Matrix) -> Matrix:
+    """`auto` device and dtype made concrete here, for the Python API and the CLI alike: a cell's
+    settings (what resume compares) and the workers only ever see real values."""
+    device = m.device
+    if device == "auto":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = m.dtype if m.dtype != "auto" else ("float32" if device == "cpu" else "bfloat16")
+    return replace(m, device=device, dtype=dtype)
 
 
 def _check_in(flag: str, values: tuple[str, ...], allowed: tuple[str, ...]) -> None:

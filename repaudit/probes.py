@@ -86,9 +86,11 @@ def load_suite(name_or_path: str) -> Suite:
         if not candidate.exists():
             raise InputError(f"unknown probe suite {name_or_path!r}; built-in suites: {', '.join(builtin_suites())}, or give a path to a .jsonl file")
         path = candidate
-    if not path.is_file():
+    if path.is_dir():
+        raise InputError(f"{path}: a directory, not a probe suite (a .jsonl file)")
+    if not path.exists():
         raise InputError(f"{path}: probe suite file not found")
-    raw = path.read_bytes()
+    raw = path.read_bytes()  # not only a regular file: a pipe (--probes <(...)) is read as well
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -109,5 +111,5 @@ def load_suite(name_or_path: str) -> Suite:
         seen[probe.id] = lineno
         probes.append(probe)
     if not probes:
-        raise InputError(f"{path}: probe suite has no prompts")
+        raise InputError(f"{path}: probe suite has no prompts (the file is empty or blank; a suite is JSONL, one prompt per line)")
     return Suite(name=path.stem, path=path, sha256=hashlib.sha256(raw).hexdigest(), probes=tuple(probes))

@@ -174,8 +174,9 @@ def build_table(
     return pa.Table.from_arrays(columns, schema=SCHEMA)
 
 
-def write_table(path: str | os.PathLike, table: pa.Table, meta: RecordMeta) -> RecordMeta:
-    """Write a canonical-order table atomically (temporary name, fsync, rename)."""
+def write_table(path: str | os.PathLike, table: pa.Table, meta: RecordMeta, *, overwrite: bool = True) -> RecordMeta:
+    """Write a canonical-order table atomically (temporary name, fsync, rename). With
+    overwrite=False an existing record is never replaced: FileExistsError instead."""
     path = Path(path)
     ids = table.column("prompt_id").combine_chunks()
     prompts = sorted(set(ids.dictionary.to_pylist()[i] for i in np.unique(ids.indices.to_numpy()))) if len(ids) else []
@@ -192,7 +193,7 @@ def write_table(path: str | os.PathLike, table: pa.Table, meta: RecordMeta) -> R
     if "id" not in meta.cell:
         raise InputError("cell metadata needs an 'id'")
     table = table.replace_schema_metadata(metadata)
-    with atomic_target(path) as tmp, pq.ParquetWriter(
+    with atomic_target(path, overwrite=overwrite) as tmp, pq.ParquetWriter(
         tmp,
         table.schema,
         # LZ4 decodes about twice as fast as zstd here, and the diff is read-bound.

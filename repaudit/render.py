@@ -35,12 +35,14 @@ def metric_rows(r: DiffResult) -> list[tuple[str, str]]:
         ("rows (A / B / matched)", f"{r.rows_a} / {r.rows_b} / {r.matched}"),
         ("compared logprobs", f"{r.comparable}" + (f" ({r.after_divergence} after token divergence not compared)" if r.after_divergence else "")),
         ("bitwise-equal logprobs", f"{r.bitwise_equal}/{r.comparable} ({pct(r.bitwise_equal, r.comparable)})"),
-        ("equal row digests", f"{r.digest_equal}/{r.digest_compared} ({pct(r.digest_equal, r.digest_compared)})" if r.digest_compared else "n/a (no digests)"),
+        ("equal row digests", held(r.digest_equal, r.digest_compared, r.digest_only_a, r.digest_only_b, "n/a (no digests)")),
         ("ULP max / mean / p50 / p99", f"{r.ulp_max} / {r.ulp_mean:.6g} / {r.ulp_p50} / {r.ulp_p99}"),
         ("|Δ logprob| max / mean", f"{num(r.abs_max)} / {num(r.abs_mean)}"),
         ("max |Δ prob|", num(r.prob_max)),
         ("NaN vs number / NaN payload differs", f"{r.nan_vs_number} / {r.nan_payload_differs}"),
-        ("top-1 agreement", f"{r.top1_equal}/{r.top1_compared} ({pct(r.top1_equal, r.top1_compared)})" if r.top1_compared else "n/a (no top-k)"),
+        ("top-1 agreement", held(r.top1_equal, r.top1_compared, r.top1_only_a, r.top1_only_b, "n/a (no top-1)")),
+        ("equal top-k ids", held(r.topk_ids_equal, r.topk_compared, r.topk_only_a, r.topk_only_b, "n/a (no top-k)")),
+        ("equal top-k logprob bits", held(r.topk_logprobs_equal, r.topk_compared, r.topk_only_a, r.topk_only_b, "n/a (no top-k)")),
         ("sequences token-identical", f"{seq_tok}/{len(shared)} ({pct(seq_tok, len(shared))})"),
         ("sequences bitwise-identical", f"{seq_bit}/{len(shared)} ({pct(seq_bit, len(shared))})"),
     ]
@@ -50,7 +52,40 @@ def metric_rows(r: DiffResult) -> list[tuple[str, str]]:
     only_b = [p.prompt_id for p in r.prompts if not p.in_a]
     if only_a or only_b:
         rows.append(("prompts left out (only A / only B)", f"{len(only_a)} / {len(only_b)}"))
-    return rows
+    return rows + rl_rows(r)
+
+
+def one_sided(only_a: int, only_b: int) -> str:
+    """"3 only in A, 1 only in B": rows where one record holds a column and the other not ("" for none)."""
+    return ", ".join(f"{n} only in {side}" for side, n in (("A", only_a), ("B", only_b)) if n)
+
+
+def held(equal: int, compared: int, only_a: int, only_b: int, none: str) -> str:
+    """k/n (rate) of a column a record may lack, saying where only one side holds it."""
+    one_side = one_sided(only_a, only_b)
+    if not compared:
+        return f"not compared ({one_side})" if one_side else none
+    return f"{equal}/{compared} ({pct(equal, compared)})" + (f"; {one_side}" if one_side else "")
+
+
+def rl_rows(r: DiffResult) -> list[tuple[str, str]]:
+    """The RL mismatch metrics (d = logprob B - logprob A), exact floats."""
+    m = r.rl
+    used = f"{m.positions}" + (f" ({m.nonfinite} with a NaN or ±inf logprob left out)" if m.nonfinite else "")
+    if not m.positions:
+        return [("RL positions (same token)", used)]
+    flips = f"{m.flips}/{m.flip_positions}" if m.flip_positions else "n/a (no top-1)"
+    if m.flip_margin_p50 is not None:
+        flips += f", margin p50 {num(m.flip_margin_p50)}"
+    return [
+        ("RL positions (same token)", used),
+        ("RL KL k1 / k2 / k3", f"{num(m.kl_k1)} / {num(m.kl_k2)} / {num(m.kl_k3)}"),
+        ("RL ratio min / p50 / p99 / max", f"{num(m.ratio_min)} / {num(m.ratio_p50)} / {num(m.ratio_p99)} / {num(m.ratio_max)}"),
+        (f"RL ratio outside [{num(m.clip[0])}, {num(m.clip[1])}]", num(m.clip_frac)),
+        ("RL |d| mean / max", f"{num(m.abs_diff_mean)} / {num(m.abs_diff_max)}"),
+        ("RL max |sum d| of a sequence", num(m.seq_log_ratio_max)),
+        ("RL top-1 flips", flips),
+    ]
 
 
 def divergent_prompts(r: DiffResult, limit: int | None = 10) -> list[dict[str, Any]]:

@@ -24,12 +24,13 @@ from . import builtin
 from .diff import Thresholds
 from .errors import InputError
 from .fingerprint import environment
+from .nccl import debug_env as nccl_debug_env, group_observation, torch_nccl_version
 from .jobspec import JobSpec, PromptSpec, cell_path
 from .events import EventReader
 from .launch import CellOutcome, GroupOutcome, Rendezvous, run_group
 from .plan import Cell, Matrix, ModelShape, Plan, expand, validate_against_model
 from .probes import Suite, load_suite
-from .records import read_meta
+from .records import RecordMeta, read_meta
 from .rundir import Manifest, RunLock, remove_partial_files
 
 DEFAULT_MAX_NEW_TOKENS = 32
@@ -177,19 +178,30 @@ def needs_reference(plan: Plan, prompts: list[PromptSpec]) -> bool:
     return "score" in plan.matrix.modes and any(p.completion is None for p in prompts)
 
 
-def _check_existing(run_dir: Path, plan: Plan, settings: dict[str, dict[str, Any]]) -> list[str]:
+def _check_existing(run_dir: Path, plan: Plan, settings: dict[str, dict[str, Any]]) -> dict[str, RecordMeta]:
     """Cells already on disk: reused when made with the same settings, refused otherwise."""
-    done = []
+    done = {}
     for cid, want in settings.items():
         path = cell_path(run_dir, cid)
         if not path.exists():
             continue
-        have = read_meta(path).cell
+        meta = read_meta(path)
+        have = meta.cell
         if have != want:
             diff = ", ".join(f"{k}: {have.get(k)!r} → {want.get(k)!r}" for k in sorted(set(have) | set(want)) if have.get(k) != want.get(k))
             raise InputError(f"{run_dir} already holds cell {cid} made with other settings ({diff}); use another --out")
-        done.append(cid)
+        done[cid] = meta
     return done
+
+
+def _mark_reused(entry: dict[str, Any], meta: RecordMeta) -> None:
+    """A cell whose record was on disk before this run: done, with its row count from the record and
+    the time of the run that made it where the manifest kept it (a record written by a job that
+    outlived its run has none); `reused` says this run did not compute it."""
+    entry.update(status="done", reason=None, rows=meta.num_rows, reused=True)
+
+
+_CELL_NUMBERS = ("seconds", "rows", "timing", "ranks_differ")
 
 
 class _Stop:
@@ -209,6 +221,8 @@ def _job_env(group_env: dict[str, str], device: str, cpu_threads: int) -> dict[s
     env = dict(os.environ)
     for key in [k for k in env if k.startswith("NCCL_") and k != "NCCL_NVLS_ENABLE"]:
         del env[key]  # a preset is the whole NCCL environment of its job
+    if device == "cuda":  # NCCL's own account of what it chose; a preset that sets these wins
+        env.update(nccl_debug_env(torch_nccl_version()))
     env.update(group_env)
     env["PYTHONUNBUFFERED"] = "1"
     env["OMP_NUM_THREADS"] = str(cpu_threads)
@@ -218,15 +232,33 @@ def _job_env(group_env: dict[str, str], device: str, cpu_threads: int) -> dict[s
     return env
 
 
+def check_options(matrix: Matrix, opts: RunOptions) -> None:
+    """The run's own settings, refused before anything is loaded or created."""
+    for flag, seconds in (("--timeout", opts.cell_timeout), ("--load-timeout", opts.load_timeout)):
+        if not seconds > 0:  # NaN too
+            raise InputError(f"{flag} {seconds:g}: must be a positive number of seconds")
+    if opts.cpu_threads < 1:
+        raise InputError("--cpu-threads must be at least 1")
+    r = opts.rdzv
+    if r.nnodes < 1 or not 0 <= r.node_rank < r.nnodes:
+        raise InputError(f"--node-rank {r.node_rank} must be in [0, --nnodes {r.nnodes})")
+    if r.nnodes > 1 and (not r.endpoint or not r.endpoint.rpartition(":")[2].isdigit()):
+        raise InputError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (node 0's address and a free port)")
+    if r.nnodes > 1 and any(t % r.nnodes for t in matrix.tps):
+        raise InputError(f"--tp {','.join(map(str, matrix.tps))}: every TP size must be a multiple of --nnodes {r.nnodes}")
+
+
 def run(matrix: Matrix, opts: RunOptions, console: Console | None = None) -> int:
     console = console or Console(stderr=False)
     started = time.perf_counter()
+    check_options(matrix, opts)
     # torch makes its compile cache in the system temp dir on import, triton in ~/.triton: both belong in
     # repaudit's own cache (unless the user chose a place), so a run writes only there and in --out.
     for var, sub in (("TORCHINDUCTOR_CACHE_DIR", "torchinductor"), ("TRITON_CACHE_DIR", "triton")):
         os.environ.setdefault(var, str(builtin.cache_dir() / sub))
     suite = load_suite(matrix.probes)
     plan = expand(matrix)
+    matrix = plan.matrix  # with `auto` resolved
     ref = resolve_model(matrix.model)
     shape, max_positions = model_shape(ref, opts.trust_remote_code)
     visible = None
@@ -237,6 +269,10 @@ def run(matrix: Matrix, opts: RunOptions, console: Console | None = None) -> int
         if not visible:
             raise InputError("--device cuda: no CUDA GPU is visible (torch.cuda.device_count() is 0); use --device cpu")
     validate_against_model(plan, shape, visible, opts.rdzv.nnodes)
+    if "hf" in matrix.engines:
+        from .engines import hf
+
+        hf.cfg_check(str(ref.path), opts.trust_remote_code)  # what the engine cannot run, refused before any job
     if "vllm" in matrix.engines:
         from .engines import vllm_engine
 
@@ -260,10 +296,10 @@ def run(matrix: Matrix, opts: RunOptions, console: Console | None = None) -> int
         _check_inplace(plan)
     leader = opts.rdzv.node_rank == 0 and int(os.environ.get("RANK", "0")) == 0
     settings = {c.id: cell_settings(c, plan, ref, suite) for c in plan.cells}
-    with RunLock(run_dir) if leader else contextlib.nullcontext():
+    with RunLock(run_dir) if leader else contextlib.nullcontext() as lock:
         if leader:
             remove_partial_files(run_dir)
-        already = _check_existing(run_dir, plan, settings) if leader else []
+        already = _check_existing(run_dir, plan, settings) if leader else {}
         manifest = Manifest.load_or_new(run_dir)
         manifest.data.update({
             "command": opts.argv, "matrix": _matrix_json(plan), "baseline": plan.baseline.id,
@@ -277,16 +313,19 @@ def run(matrix: Matrix, opts: RunOptions, console: Console | None = None) -> int
             entry["settings"] = settings[cid]
             entry["file"] = str(cell_path(run_dir, cid).relative_to(run_dir))
             if cid in already:
-                entry["status"] = "done"
-            elif entry.get("status") != "done":
-                entry.update(status="pending", reason=None)
+                _mark_reused(entry, already[cid])
+            else:  # never run, failed, or done but its record is gone: computed afresh
+                for key in _CELL_NUMBERS:
+                    entry.pop(key, None)
+                entry.update(status="pending", reason=None, reused=False)
         if leader:
             manifest.save()
         stop = _Stop()
         old = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
             _run_groups(plan, opts, run_dir, manifest, settings, already, prompts, ref, suite, tok_meta,
-                        pad_id, tok.eos_token_id, reference_cell, stop, console, leader, inplace)
+                        pad_id, tok.eos_token_id, reference_cell, stop, console, leader, inplace,
+                        (lock.fd,) if lock else ())
         finally:
             for s, handler in old.items():
                 signal.signal(s, handler)
@@ -352,7 +391,7 @@ def _matrix_json(plan: Plan) -> dict[str, Any]:
 
 
 def _run_groups(plan, opts, run_dir, manifest, settings, already, prompts, ref, suite, tok_meta, pad_id, eos_id,
-                reference_cell, stop, console, leader, inplace) -> None:
+                reference_cell, stop, console, leader, inplace, lock_fds) -> None:
     job_dir = run_dir / "jobs" / f"node{opts.rdzv.node_rank}"
     job_dir.mkdir(parents=True, exist_ok=True)
     todo_total = sum(1 for c in plan.cells if c.id not in already)
@@ -373,6 +412,9 @@ def _run_groups(plan, opts, run_dir, manifest, settings, already, prompts, ref, 
             elif kind == "progress":
                 progress.update(tokens_task, completed=ev["tokens"], total=ev["total"])
             elif kind == "cell_done":
+                if leader:  # rank 0 reports done once the record is on disk: what a re-run counts as done
+                    manifest.set_cell(cid, status="done", reason=None, reused=False,
+                                      **{k: ev[k] for k in _CELL_NUMBERS})
                 progress.advance(cells_task)
                 t = ev["timing"]
                 rate = t.get("decode_tokens_per_s") or t.get("prefill_tokens_per_s")
@@ -403,19 +445,24 @@ def _run_groups(plan, opts, run_dir, manifest, settings, already, prompts, ref, 
                 outcome = run_group(spec, job_dir,
                     nproc=1 if group.engine == "vllm" else group.tp // opts.rdzv.nnodes, rdzv=opts.rdzv, cell_timeout=opts.cell_timeout,
                     load_timeout=opts.load_timeout, env=_job_env(group.nccl_env, plan.matrix.device, opts.cpu_threads),
-                    on_event=on_event, should_stop=lambda: bool(stop))
+                    on_event=on_event, should_stop=lambda: bool(stop), pass_fds=lock_fds)
             if leader:
                 g = manifest.data["groups"].setdefault(group.id, {})
                 g.update(load_s=outcome.load_seconds, attempts=outcome.attempts)
+                if plan.matrix.device == "cuda" and group.tp > 1 and outcome.logs:
+                    g["nccl_observed"] = group_observation(outcome.logs, group.nccl_env)
+                    for warning in g["nccl_observed"]["warnings"]:
+                        progress.console.print(f"[yellow]warning:[/] {group.id}: {escape(warning)}")
                 for cid, oc in outcome.cells.items():
-                    status = "done" if oc.status in ("done", "skipped") else oc.status
-                    fields = {"status": status, "reason": oc.reason}
+                    entry = manifest.cell(cid)
+                    if oc.status == "skipped":  # the workers found its record (where they decide what is left)
+                        _mark_reused(entry, read_meta(cell_path(run_dir, cid)))
+                        continue
+                    fields = {"status": "pending" if oc.status == "interrupted" else oc.status, "reason": oc.reason}
                     if oc.status == "done":
                         fields.update(seconds=oc.seconds, rows=oc.rows, timing=oc.timing, ranks_differ=oc.ranks_differ)
-                    elif oc.status == "interrupted":
-                        fields["status"] = "pending"
-                    manifest.cell(cid).update(fields)
-                    if oc.status not in ("done", "skipped", "interrupted"):
+                    entry.update(fields)
+                    if oc.status not in ("done", "interrupted"):
                         progress.console.print(f"[red]{oc.status}[/] {cid}: {escape(str(oc.reason))}")
                 manifest.save()
 

@@ -1,15 +1,18 @@
 """A run directory: manifest.json, cells/*.parquet, summary and report files, and a lock.
 
 The manifest is rewritten atomically after every change, so it is valid at any instant;
-records are written atomically by the worker. A lock file names the run holding the
-directory, so a second `repaudit run` on it refuses instead of racing.
+records are written atomically by the worker, never over an existing one. A lock, held by
+the run and by every job it starts, keeps a second `repaudit run` out of the directory: it
+refuses, naming the process that holds it, instead of racing.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
+import re
 import socket
 import time
 from dataclasses import dataclass, field
@@ -17,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import InputError
+from .events import EventReader
 from .files import write_json_atomic
 
 MANIFEST_VERSION = 1
@@ -53,7 +57,13 @@ class Manifest:
 
 
 class RunLock:
-    """An exclusive flock on RUN_DIR/.lock; released by the kernel if the process dies."""
+    """An exclusive flock on RUN_DIR/.lock, held while the run or any job it started lives.
+
+    A flock belongs to the open file, not to a process: it stays held while any process keeps a
+    copy of the descriptor. The launcher hands `fd` to every job it starts (Popen's pass_fds), so
+    a job that outlives its run (`repaudit run` SIGKILLed: torchrun and its workers go on) still
+    keeps a second run out of the directory. Workers that outlived their torchrun too hold no
+    copy; their pids, which they report first thing, are checked instead."""
 
     def __init__(self, run_dir: Path):
         self.path = run_dir / ".lock"
@@ -64,10 +74,15 @@ class RunLock:
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = os.read(self.fd, 4096).decode(errors="replace").strip() or "another process"
-            os.close(self.fd)
-            self.fd = None
-            raise InputError(f"{self.path.parent} is in use by another repaudit run ({holder}); wait for it or use another --out") from None
+            holder = os.read(self.fd, 4096).decode(errors="replace").strip()
+            self._close()
+            raise InputError(_busy(self.path, holder)) from None
+        orphans = orphaned_workers(self.path.parent)
+        if orphans:
+            self.__exit__()
+            pids = " ".join(map(str, orphans))
+            raise InputError(f"{self.path.parent}: worker process(es) {pids} of an earlier job still run, though the "
+                             f"repaudit run and torchrun that started them are gone; end them (kill {pids}), then run again")
         os.ftruncate(self.fd, 0)
         os.write(self.fd, f"pid {os.getpid()} on {socket.gethostname()}, started {time.strftime('%Y-%m-%d %H:%M:%S')}".encode())
         return self
@@ -76,8 +91,58 @@ class RunLock:
         if self.fd is not None:
             os.ftruncate(self.fd, 0)
             fcntl.flock(self.fd, fcntl.LOCK_UN)
-            os.close(self.fd)
-            self.fd = None
+            self._close()
+
+    def _close(self) -> None:
+        os.close(self.fd)
+        self.fd = None
+
+
+def _busy(lock: Path, holder: str) -> str:
+    """Why the lock is taken, in one line: a run, or (its launcher dead) a job it left running."""
+    m = re.match(r"pid (\d+) on (\S+),", holder)
+    if m and m.group(2) == socket.gethostname() and not _running(int(m.group(1))):
+        pids = " ".join(map(str, _holding(lock)))
+        still = f"pid {pids} still runs it; wait for it to end or end it (kill {pids})" if pids else "wait for it to end"
+        return f"{lock.parent} is in use by a job whose repaudit run is gone ({holder}): {still}, then run again"
+    return f"{lock.parent} is in use by another repaudit run ({holder or 'another process'}); wait for it or use another --out"
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (Linux: /proc)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def _holding(path: Path) -> list[int]:
+    """Processes with `path` open (those we may look at)."""
+    target = str(path.resolve())
+    pids = []
+    for fd_dir in Path("/proc").glob("[0-9]*/fd"):
+        with contextlib.suppress(OSError):
+            if any(os.readlink(fd) == target for fd in fd_dir.iterdir()):
+                pids.append(int(fd_dir.parent.name))
+    return sorted(pids)
+
+
+def orphaned_workers(run_dir: Path) -> list[int]:
+    """Workers of earlier jobs in this directory that still run, from the pids they reported."""
+    pids: set[int] = set()
+    for events in (run_dir / "jobs").glob("node*/*"):  # EventReader reads directories, and nothing for a file
+        reported = {int(ev["pid"]) for ev in EventReader(events).poll() if ev["event"] == "pid"}
+        pids.update(p for p in reported if _running(p) and _runs_spec(p, f"{events.name}.json"))
+    return sorted(pids)
+
+
+def _runs_spec(pid: int, spec_name: str) -> bool:
+    """The process is still that job's worker: a pid may have been reused since."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return False
+    return "repaudit.worker" in cmdline and any(arg.endswith(spec_name) for arg in cmdline)
 
 
 def remove_partial_files(run_dir: Path) -> list[Path]:

@@ -7,8 +7,11 @@ first module whose bits differ between two cells without the tensors ever leavin
 Under tensor parallelism a column-parallel output holds only this rank's features. The digest
 is a sum over features (mod 2^64) with a key per global feature index, so each rank digests its
 shard with its offset and one integer all-reduce gives the digest of the whole row; nothing
-is gathered. Whether an output is sharded is found once per module, on its first call: a
-replicated output has the same digest on every rank.
+is gathered. Whether an output is sharded comes from the model's TP plan, never from the bits
+(ranks that disagree on a replicated output are the very fault to find, not a sign of a
+shard): a style that declares its output layout decides; any other module's output is a shard
+exactly when one of its inputs is (Qwen3's per-head q_norm, the MLP activation). Ranks that
+disagree on a replicated output are counted per module, a finding of their own.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import asdict, dataclass, field
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +27,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 import torch.distributed as dist
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from .digest import row_digest
 
@@ -52,6 +57,8 @@ class ModuleInfo:
     features: int  # of the whole (unsharded) output row
     sharded: bool
     style: str | None  # the module's TP style, when the model's plan names one
+    ranks_disagree: int = 0  # rows of a replicated output whose bits are not the same on every rank
+    first_disagreement: dict[str, Any] | None = None  # {"prompt_id", "pos"} of the first such row
 
 
 @dataclass
@@ -76,11 +83,14 @@ class Tracer:
         self.calls: dict[str, _Calls] = {}
         self._keys: list[tuple[np.ndarray, np.ndarray]] = []
         self._ctx: tuple[tuple[int, int], torch.Tensor] | None = None
+        # Storages of this forward's sharded outputs. A weak reference keeps a storage's identity
+        # unique while it lives on, so freed memory handed to a new tensor is never taken for a shard.
+        self._shards: set[StorageWeakRef] = set()
         self.handles = []
         for name, module in model.named_modules():
             if not name or "rotary" in name or module is model.get_output_embeddings():
                 continue
-            self.handles.append(module.register_forward_hook(self._hook(name)))
+            self.handles.append(module.register_forward_hook(self._hook(name), with_kwargs=True))
             if self.styles.get(name, "").startswith("rowwise"):
                 # A row-parallel layer's input is the attention output / MLP activation: no module makes it.
                 self.handles.append(module.register_forward_pre_hook(self._pre_hook(f"{name}:input")))
@@ -98,20 +108,21 @@ class Tracer:
 
     def end(self) -> None:
         self._ctx = None
+        self._shards.clear()
 
     # ------------------------------------------------------------------ hooks
     def _hook(self, name: str):
-        def hook(module, args, output):
-            self._record(name, output[0] if isinstance(output, tuple) else output)
+        def hook(module, args, kwargs, output):
+            self._record(name, output[0] if isinstance(output, tuple) else output, [*args, *kwargs.values()])
         return hook
 
     def _pre_hook(self, name: str):
         def hook(module, args):
             if args:
-                self._record(name, args[0])
+                self._record(name, args[0], [args[0]])
         return hook
 
-    def _record(self, name: str, out: Any) -> None:
+    def _record(self, name: str, out: Any, inputs: list[Any]) -> None:
         if self._ctx is None or not isinstance(out, torch.Tensor) or out.dtype not in _BITS:
             return
         (batch, length), rows = self._ctx
@@ -122,8 +133,10 @@ class Tracer:
         whole = out.reshape(batch * length, -1)
         calls = self.calls.get(name)
         if calls is None:
-            calls = self.calls[name] = _Calls(self._classify(name, whole[rows]))
+            calls = self.calls[name] = _Calls(self._classify(name, whole, inputs))
         info = calls.info
+        if info.sharded:
+            self._shards.add(StorageWeakRef(out.untyped_storage()))
         local = whole.shape[1]
         offset = self.rank * local if info.sharded else 0
         if calls.pick is None:
@@ -144,23 +157,30 @@ class Tracer:
         calls.samples.append(samples)
         calls.keys.append(len(self._keys) - 1)
 
-    def _classify(self, name: str, flat: torch.Tensor) -> ModuleInfo:
-        sharded = False
-        if self.tp > 1:
-            # The same row digests on every rank mean a replicated output. (Every rank calls the
-            # same modules in the same order, so this collective lines up.)
-            mine = row_digest(flat)
-            everyone = [torch.empty_like(mine) for _ in range(self.tp)]
-            dist.all_gather(everyone, mine)
-            sharded = not all(torch.equal(everyone[0], d) for d in everyone[1:])
+    def _classify(self, name: str, flat: torch.Tensor, inputs: list[Any]) -> ModuleInfo:
+        base, _, port = name.partition(":")
+        style = self.styles.get(base)
+        sharded = self.tp > 1 and _sharded(style, port == "input", lambda: any(self._is_shard(t) for t in inputs))
         return ModuleInfo(name=name, order=len(self.calls), dtype=_BITS[flat.dtype][2],
-                          features=flat.shape[1] * (self.tp if sharded else 1), sharded=sharded,
-                          style=self.styles.get(name.split(":")[0]))
+                          features=flat.shape[1] * (self.tp if sharded else 1), sharded=sharded, style=style)
+
+    def _is_shard(self, t: Any) -> bool:
+        if not isinstance(t, torch.Tensor):
+            return False
+        if hasattr(t, "to_local"):
+            t = t.to_local()
+        try:
+            return StorageWeakRef(t.untyped_storage()) in self._shards
+        except (RuntimeError, NotImplementedError):  # a tensor subclass without storage: no shard of ours
+            return False
 
     # ------------------------------------------------------------------ results
     def finish(self) -> tuple[pa.Table, list[ModuleInfo]] | None:
         """Combine shards across ranks (every rank must call this); rank 0 gets the table."""
         names = sorted(self.calls, key=lambda n: self.calls[n].info.order)
+        replicated = [n for n in names if not self.calls[n].info.sharded]
+        if self.tp > 1 and replicated:
+            self._find_rank_disagreements(replicated)
         sharded = [n for n in names if self.calls[n].info.sharded]
         if sharded:
             flat = torch.cat([torch.cat(self.calls[n].digests) for n in sharded]
@@ -175,8 +195,7 @@ class Tracer:
         columns: dict[str, list] = {k: [] for k in ("prompt_id", "pos", "module", "order", "digest", "sample")}
         for n in names:
             c = self.calls[n]
-            pids = np.concatenate([self._keys[k][0] for k in c.keys])
-            pos = np.concatenate([self._keys[k][1] for k in c.keys])
+            pids, pos = self._rows_of(c)
             columns["prompt_id"].append(pids)
             columns["pos"].append(pos.astype(np.int32))
             columns["module"].append(np.full(len(pos), n, dtype=object))
@@ -198,6 +217,29 @@ class Tracer:
         ], schema=SCHEMA)
         return table, [self.calls[n].info for n in names]
 
+    def _rows_of(self, calls: _Calls) -> tuple[np.ndarray, np.ndarray]:
+        """(prompt id, position) of each digest row of a module, in the order they were recorded."""
+        return (np.concatenate([self._keys[k][0] for k in calls.keys]),
+                np.concatenate([self._keys[k][1] for k in calls.keys]))
+
+    def _find_rank_disagreements(self, names: list[str]) -> None:
+        """Rows of replicated outputs whose bits differ between ranks. The trace keeps rank 0's
+        digests; this says where the others differ from them. The row's max and min over ranks
+        (two all-reduces, nothing gathered) differ exactly where some rank disagrees."""
+        mine = torch.cat([d for n in names for d in self.calls[n].digests])
+        high, low = mine.clone(), mine.clone()
+        dist.all_reduce(high, op=dist.ReduceOp.MAX)
+        dist.all_reduce(low, op=dist.ReduceOp.MIN)
+        differ = (high != low).cpu().numpy()
+        sizes = [sum(len(d) for d in self.calls[n].digests) for n in names]
+        for n, rows in zip(names, np.split(differ, np.cumsum(sizes)[:-1])):
+            info = self.calls[n].info
+            info.ranks_disagree = int(rows.sum())
+            if info.ranks_disagree:
+                pids, pos = self._rows_of(self.calls[n])
+                first = int(np.argmax(rows))
+                info.first_disagreement = {"prompt_id": str(pids[first]), "pos": int(pos[first])}
+
 
 def _first_of_each(pid: np.ndarray, pos: np.ndarray, order: np.ndarray) -> np.ndarray:
     """A module called twice at one position (a shared module) keeps its first call."""
@@ -205,6 +247,34 @@ def _first_of_each(pid: np.ndarray, pos: np.ndarray, order: np.ndarray) -> np.nd
         return np.zeros(0, dtype=bool)
     same = (pid[1:] == pid[:-1]) & (pos[1:] == pos[:-1]) & (order[1:] == order[:-1])
     return np.concatenate(([True], ~same))
+
+
+def _sharded(style: str | None, at_input: bool, input_is_shard) -> bool:
+    """Is this output (or, at_input, a row-parallel layer's input) a shard? From the TP style's
+    declared layout where it declares one, else from the inputs (input_is_shard, called lazily)."""
+    declared = _declared_layouts(style)[0 if at_input else 1] if style else None
+    return declared if declared is not None else input_is_shard()
+
+
+# packed_colwise shards its output as colwise does, but its style object declares no layout.
+_UNDECLARED_OUTPUT = {"packed_colwise": True}
+
+
+@lru_cache(maxsize=None)
+def _declared_layouts(style: str) -> tuple[bool | None, bool | None]:
+    """(input sharded, output sharded) as transformers' TP style declares them; None: not declared."""
+    from torch.distributed.tensor import Shard
+    from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES
+
+    layer = ALL_PARALLEL_STYLES[style] if style in ALL_PARALLEL_STYLES else None
+
+    def has_shard(layouts: Any) -> bool | None:
+        if layouts is None:
+            return None
+        return any(isinstance(p, Shard) for p in (layouts if isinstance(layouts, tuple) else (layouts,)))
+
+    output = _UNDECLARED_OUTPUT.get(style, has_shard(getattr(layer, "output_layouts", None)))
+    return has_shard(getattr(layer, "input_layouts", None)), output
 
 
 def trace_path(record_path: str | os.PathLike) -> Path:

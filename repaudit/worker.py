@@ -107,7 +107,8 @@ def _write(spec: JobSpec, cell: dict, rows: list[TokenRows], env: dict, traced) 
 
         write_trace(trace_path(path), traced[0], traced[1], cell)
     with write_faults(cell["id"], 0):
-        write_table(path, _table(rows), meta)
+        # Never over an existing record: whoever wrote it (a job that outlived its run) got there first.
+        write_table(path, _table(rows), meta, overwrite=False)
 
 
 def _cell_failed(events: EventWriter, cid: str, exc: BaseException) -> None:
@@ -125,8 +126,7 @@ def _run_vllm(spec: JobSpec, events: EventWriter, todo: list[dict]) -> None:
     from .engines import vllm_engine
     from .fingerprint import environment
 
-    for var in vllm_engine.TORCHRUN_VARS:
-        os.environ.pop(var, None)
+    vllm_engine.scrub_launcher_env(os.environ)
     os.environ.update(vllm_engine.process_env(todo[0]["kernels"]))
     # Reference completions are greedy generations of at most max_new_tokens tokens.
     longest = max(len(p.tokens) + max(p.max_new_tokens, len(p.completion or ())) for p in spec.prompts)
@@ -159,7 +159,7 @@ def run_job(spec: JobSpec) -> None:
 
     from .distutil import broadcast_json, rows_where_ranks_differ
     from .engines import hf
-    from .fingerprint import environment
+    from .fingerprint import environment, gather_rank_settings
     from .kernelmodes import kernel_mode
 
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -183,6 +183,7 @@ def run_job(spec: JobSpec) -> None:
                     trust_remote_code=spec.trust_remote_code, eos_id=spec.eos_id, pad_id=spec.pad_id)
     events.emit("loaded", seconds=time.perf_counter() - t0)
     env = environment(spec.device)
+    env["ranks"] = gather_rank_settings(spec.device)  # a collective: every rank's switches, not rank 0's alone
     refs = None
     for cell in todo:
         cid = cell["id"]

@@ -177,6 +177,37 @@ def test_refusals_leave_no_files(refuse, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == before
 
 
+@pytest.mark.parametrize("flag, value", [
+    ("--timeout", "0"), ("--timeout", "-5"), ("--load-timeout", "-1"), ("--timeout", "nan"),
+])
+def test_timeouts_must_be_positive(refuse, flag, value):
+    assert refuse(flag, value) == f"{flag} {float(value):g}: must be a positive number of seconds"
+
+
+def test_a_model_the_engine_cannot_run_is_refused_before_the_run_starts(refuse, tmp_path):
+    """The engine's own config check (repaudit.engines.hf.cfg_check) runs in the parent, before the run
+    directory exists: a model it refuses is one line and exit 2, not a failed job. (It refused Gemma 2's
+    final_logit_softcapping inside the worker once; GPT-2 is a family it does not vouch for now.)"""
+    import json
+
+    from repaudit.engines import hf
+
+    model = tmp_path / "gpt2"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({
+        "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": 256, "n_embd": 64, "n_head": 2,
+        "n_layer": 1, "n_positions": 64}))
+    with pytest.raises(InputError) as engine_says:
+        hf.cfg_check(str(model), False)
+    assert refuse("--model", str(model), "--tp", "1") == str(engine_says.value)
+
+
+def test_probe_file_that_is_not_a_file(refuse, tmp_path):
+    assert refuse("--probes", "/dev/null") == \
+        "/dev/null: probe suite has no prompts (the file is empty or blank; a suite is JSONL, one prompt per line)"
+    assert refuse("--probes", str(tmp_path)) == f"{tmp_path}: a directory, not a probe suite (a .jsonl file)"
+
+
 def test_usage_errors_are_one_line_too(refuse):
     assert refuse("--no-such-flag").startswith("No such option: --no-such-flag")
     assert refuse("--topk", "x").startswith("Invalid value for '--topk'")

@@ -147,6 +147,10 @@ def test_json_and_markdown_reports(make_record, capsys, tmp_path):
     assert d["logprob"]["nan_vs_number"] == 1 and d["rows"]["comparable"] == 24
     assert d["environment_differences"] == [["torch", "2.5.1", "2.6.0"]]
     assert d["thresholds"] == {"max_ulp": None, "max_abs": None, "max_seq_divergence": 0.0}
+    assert d["not_compared"] == ["top-1 ids: in neither record", "top-k lists: in neither record",
+                                 "RL metrics: 2 positions with a NaN or infinite logprob left out"]
+    assert d["topk"]["compared"] == 0 and d["rl"]["positions"] == 22 and d["rl"]["clip"] == [0.5, 2.0]
+    assert d["rl"]["ratio_p50"] == 1.0 and d["rl"]["kl_k1"] == 0.0  # the two that differ are left out
     text = md.read_text()
     assert text.startswith("# repaudit diff: `a` vs `b`") and "**Verdict: DIVERGENT" in text
     assert "| torch | 2.5.1 | 2.6.0 |" in text
@@ -283,6 +287,11 @@ def test_empty_record_is_bad_input(make_record, good, capsys):
         (("{good}", "--max-abs", "-0.5"), "--max-abs"),
         (("{good}", "--max-seq-divergence", "1.5"), "--max-seq-divergence"),
         (("{good}", "--json", "{missing}/r.json"), "r.json"),
+        (("{good}", "--clip", "2,1"), "--clip '2,1': expected LO,HI with 0 <= LO < HI"),
+        (("{good}", "--clip", "0.5"), "--clip '0.5': expected LO,HI"),
+        (("{good}", "--clip", "-1,2"), "--clip '-1,2': expected LO,HI"),
+        (("{good}", "--clip", "nan,2"), "--clip 'nan,2': expected LO,HI"),
+        (("{good}", "--clip", "low,high"), "--clip 'low,high': expected a comma-separated list of float values"),
     ],
 )
 def test_usage_errors_are_one_line_and_exit_2(good, tmp_path, capsys, extra, message):

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from repaudit import records
@@ -448,12 +450,40 @@ def test_identical_records(tmp_path):
     assert r.digest_equal == r.digest_compared == len(a.pos)
 
 
-def test_missing_digests_and_top1_are_not_compared(tmp_path):
+def test_columns_on_one_side_only_are_never_read_as_equal(tmp_path):
     a = _side({"p": [(0, 1, M2), (1, 1, M2)]}, digest=False, top1=-1)
     b = _side({"p": [(0, 1, M2), (1, 1, M2)]}, digest=True, top1=3)
-    r = diff_records(a.write(tmp_path / "a.parquet"), b.write(tmp_path / "b.parquet"))
+    pa_, pb_ = a.write(tmp_path / "a.parquet"), b.write(tmp_path / "b.parquet")
+    r = diff_records(pa_, pb_)
     assert (r.digest_compared, r.top1_compared, r.digest_equal_rate, r.top1_agreement) == (0, 0, None, None)
-    assert r.passed and r.identical
+    assert (r.digest_only_a, r.digest_only_b, r.top1_only_a, r.top1_only_b) == (0, 2, 0, 2)
+    assert not r.passed and not r.identical
+    assert r.reasons == ["record A has no row digests (B has them at 2 positions); cannot prove the distributions equal",
+                         "record A has no top-1 ids (B has them at 2 positions); cannot compare the most likely tokens"]
+    d = r.to_dict()
+    assert (d["digest"]["only_b"], d["top1"]["only_b"]) == (2, 2)
+    assert "row digests: 2 positions hold them in B only" in d["not_compared"]
+    assert verdict(r, Thresholds(max_ulp=0)) == (True, [])  # a tolerance relaxes distribution checks, as for digests
+    # both sides without digests (vLLM records): nothing to compare, and nothing wrong
+    r = diff_records(pa_, pa_)
+    assert r.passed and r.identical and r.digest_compared == 0
+    assert "row digests: in neither record" in r.to_dict()["not_compared"]
+
+
+def test_digests_on_part_of_the_rows(tmp_path):
+    a = _side({"p": [(i, 1, M2) for i in range(4)]})
+    b = _side({"p": [(i, 1, M2) for i in range(4)]})
+    pa_ = a.write(tmp_path / "a.parquet")
+    table = pq.read_table(pa_)
+    digests = table.column("row_digest").to_pylist()
+    holed = table.set_column(table.schema.get_field_index("row_digest"), "row_digest",
+                             pa.array([None, digests[1], None, digests[3]], pa.uint64()))
+    pb_ = tmp_path / "b.parquet"
+    pq.write_table(holed, pb_)
+    r = diff_records(pa_, pb_)
+    assert (r.digest_compared, r.digest_equal, r.digest_only_a, r.digest_only_b) == (2, 2, 2, 0)
+    assert r.reasons == ["2 positions hold row digests in record A only; cannot prove the distributions equal there"]
+    assert not r.identical
 
 
 # ------------------------------------------------------------------------------ comparability

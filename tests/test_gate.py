@@ -25,16 +25,22 @@ REF = "hf-tp1-bs1-default-stock-score"
 CELLS = (REF, "hf-tp1-bs4-default-stock-score", "hf-tp2-bs1-default-stock-score", "hf-tp2-bs4-default-stock-score")
 
 
-def columns(bits=None, tokens=None, prompts=PROMPTS):
-    ids, pos, tok, lp = [], [], [], []
+def columns(bits=None, tokens=None, prompts=PROMPTS, topk=None, digests=True):
+    """topk: None for no top-k lists, else {(prompt, pos): bits} overrides of each row's second top-2 logprob."""
+    ids, pos, tok, lp, second = [], [], [], [], []
     for p in prompts:
         for i in range(LENGTH):
             ids.append(p)
             pos.append(i)
             tok.append((tokens or {}).get((p, i), 65 + i))
             lp.append((bits or {}).get((p, i), BASE + i))
-    return dict(prompt_id=ids, pos=np.array(pos), token_id=np.array(tok), logprob=np.array(lp, np.uint32).view(np.float32),
-                row_digest=np.arange(len(ids), dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15))
+            second.append((topk or {}).get((p, i), BASE + 100 + i))
+    out = dict(prompt_id=ids, pos=np.array(pos), token_id=np.array(tok), logprob=np.array(lp, np.uint32).view(np.float32),
+               row_digest=np.arange(len(ids), dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15) if digests else None)
+    if topk is not None:
+        out.update(topk_ids=np.stack([np.array(tok), np.ones(len(ids), int)], axis=1),
+                   topk_logprobs=np.stack([np.array(lp, np.uint32), np.array(second, np.uint32)], axis=1).view(np.float32))
+    return out
 
 
 def record(path: Path, cell_id: str, **kw) -> Path:
@@ -46,9 +52,10 @@ def record(path: Path, cell_id: str, **kw) -> Path:
     return path
 
 
-def make_run(root: Path, cells: dict[str, dict] | None = None, name: str = "unit-run") -> Path:
-    """A run directory as `repaudit run` leaves it: TP 1,2 x batch 1,4, score mode, 4 cells.
-    cells: {cell_id: {"status": ..., "reason": ..., "bits": {...}, "tokens": {...}, "file": False}}."""
+def make_run(root: Path, cells: dict[str, dict] | None = None, name: str = "unit-run", topk: bool = False) -> Path:
+    """A run directory as `repaudit run` leaves it: TP 1,2 x batch 1,4, score mode, 4 cells (with top-2 lists
+    when topk). cells: {cell_id: {"status": ..., "reason": ..., "bits": {...}, "tokens": {...}, "topk": {...},
+    "file": False}}."""
     run = root / name
     spec = cells or {}
     manifest = {
@@ -71,7 +78,7 @@ def make_run(root: Path, cells: dict[str, dict] | None = None, name: str = "unit
                          timing={"prefill_s": 0.1, "prefill_tokens": 15, "prefill_tokens_per_s": 150.0})
             if s.get("file", True):
                 record(run / "cells" / f"{cid}.parquet", cid, bits=s.get("bits"), tokens=s.get("tokens"),
-                       env=s.get("env", dict(TEST_ENV)))
+                       env=s.get("env", dict(TEST_ENV)), topk=s.get("topk", {} if topk else None))
         manifest["cells"][cid] = entry
     run.mkdir(parents=True, exist_ok=True)
     (run / "manifest.json").write_text(json.dumps(manifest))
@@ -164,6 +171,28 @@ def test_one_flipped_bit_fails_that_pair_only(tmp_path, capsys):
     rc, out, _ = gate(capsys, run, "--max-ulp", "1", "--junit", junit)
     assert rc == 0 and validate(junit).get("failures") == "0"
     assert gate(capsys, run, "--max-abs", "1e-9")[0] == 1
+
+
+def test_one_flipped_topk_bit_fails_that_pair(tmp_path, capsys):
+    """Top-k lists are compared bit for bit: one flipped bit of one top-k logprob fails its pair."""
+    cid = "hf-tp2-bs1-default-stock-score"
+    run = make_run(tmp_path, {cid: {"topk": {("p2", 1): (BASE + 101) ^ 1}}}, topk=True)
+    junit = tmp_path / "junit.xml"
+    rc, out, err = gate(capsys, run, "--junit", junit)
+    flat = " ".join(out.split())
+    assert (rc, err) == (1, "") and "GATE FAILED: 1 of 3 cell pairs fail" in flat
+    assert f"FAIL {cid} vs {REF}: 1 of 15 positions differ in their top-k logprob bits" in flat
+    fail = cases(validate(junit))[f"{cid} vs {REF}"].find("failure")
+    assert fail.get("message") == "DIVERGENT: 1 of 15 positions differ in their top-k logprob bits"
+    assert "equal top-k logprob bits             14/15 (93.33%)" in fail.text
+
+
+def test_record_without_digests_fails_against_one_with(tmp_path, capsys):
+    a = record(tmp_path / "a.parquet", "a")
+    b = record(tmp_path / "b.parquet", "b", digests=False)
+    rc, out, _ = gate(capsys, a, b)
+    assert rc == 1 and "record B has no row digests (A has them at 15 positions); cannot prove the distributions equal" in " ".join(out.split())
+    assert gate(capsys, b, b)[0] == 0  # neither has digests (as vLLM records): nothing to compare
 
 
 def test_forked_sequences_and_max_seq_divergence(tmp_path, capsys):

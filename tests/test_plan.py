@@ -118,3 +118,19 @@ def test_invariant_kernels_refuse_layers_they_cannot_cover():
     windowed = ModelShape("mistral", 16, 8, 192, 384, QWEN_LIKE.tp_styles, sliding_window=True)
     with pytest.raises(InputError, match="sliding-window attention is not covered"):
         validate_against_model(expand(Matrix(model="m", tps=(1,), kernels=("bi",))), windowed, None)
+
+
+def test_auto_device_and_dtype_are_resolved_by_the_plan(monkeypatch):
+    """The Python API's defaults (dtype="auto") reach the workers as real values, as the CLI's do."""
+    import torch
+
+    plan = expand(Matrix(model="m"))
+    assert (plan.matrix.device, plan.matrix.dtype) == ("cpu", "float32")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    plan = expand(Matrix(model="m", device="auto"))
+    assert (plan.matrix.device, plan.matrix.dtype) == ("cuda", "bfloat16")
+    assert expand(Matrix(model="m", device="auto", dtype="float16")).matrix.dtype == "float16"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert expand(Matrix(model="m", device="auto")).matrix.device == "cpu"
+    with pytest.raises(InputError, match="--device 'tpu': expected auto, cpu or cuda"):
+        expand(Matrix(model="m", device="tpu"))

@@ -198,7 +198,8 @@ def test_out_of_memory_fails_the_largest_batch_and_keeps_the_smaller(faulted):
 def test_disk_full_on_a_record_write_leaves_no_half_file(faulted):
     cell = faulted.first.manifest["cells"][cid(2, 8)]
     assert cell["status"] == "failed"
-    assert cell["reason"] == f"OSError: [Errno {errno.ENOSPC}] {os.strerror(errno.ENOSPC)}"
+    record = faulted.out / "cells" / f"{cid(2, 8)}.parquet"  # named, not its temporary file
+    assert cell["reason"] == f"OSError: [Errno {errno.ENOSPC}] {os.strerror(errno.ENOSPC)}: '{record}'"
     assert cid(2, 8) not in faulted.first.records and faulted.first.partial == []
 
 
@@ -342,6 +343,99 @@ def test_second_run_on_the_same_directory_refuses_naming_the_first(interrupted):
     assert len(s.sigint.manifest["runs"]) == 1
 
 
+# ------------------------------------------------------------------ a run SIGKILLed: its job runs on
+
+def _torchrun_pids(out: Path) -> list[int]:
+    """The run's torchrun agents, by their command line (they carry the job spec's path)."""
+    return sorted(int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _alive(int(p.name))
+                  and "torch.distributed.run" in _cmdline(p) and str(out) in _cmdline(p))
+
+
+def _cmdline(proc: Path) -> str:
+    try:
+        return (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _kill_and_wait(pids: list[int]) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while any(_alive(p) for p in pids):
+        assert time.monotonic() < deadline, f"{pids} survived SIGKILL"
+        time.sleep(0.05)
+
+
+def _state(out: Path) -> dict:
+    """Everything a second run could spoil: the records, the manifest, the job's events."""
+    events = {str(p.relative_to(out)): p.read_bytes() for p in sorted((out / "jobs").rglob("rank*.jsonl"))}
+    return {"records": records(out), "manifest": (out / "manifest.json").read_bytes(), "events": events}
+
+
+@pytest.fixture(scope="module")
+def orphaned(tmp_path_factory):
+    """`repaudit run` SIGKILLed while its job is in bs2 (which hangs): its torchrun job runs on. Then a run
+    on the same directory; again once that torchrun is SIGKILLed too (its worker lives on); and once
+    the worker is gone."""
+    out = tmp_path_factory.mktemp("orphan") / "run"
+    s = SimpleNamespace(out=out)
+    proc = _start(out, f"hang:{cid(1, 2)}")
+    _wait_running(proc, out, cid(1, 2))
+    proc.kill()  # SIGKILL: nothing runs in the launcher, so nothing ends its job
+    proc.wait()
+    s.torchrun = _torchrun_pids(out)
+    s.workers = sorted(p for p in worker_pids(out) if _alive(p))
+    try:
+        s.before = _state(out)
+        s.beside_job = _second_run(out)
+        s.after_beside_job = _state(out)
+        _kill_and_wait(s.torchrun)
+        s.workers_left = sorted(p for p in s.workers if _alive(p))
+        s.beside_workers = _second_run(out)
+        s.after_beside_workers = _state(out)
+    finally:
+        _kill_and_wait(s.torchrun + s.workers)
+    t = time.time()
+    s.resumed = _second_run(out)
+    s.final = SimpleNamespace(manifest=manifest(out), records=records(out), specs=job_specs(out, t),
+                              survivors=survivors(out))
+    return s
+
+
+def test_rerun_beside_an_orphaned_job_refuses_and_rewrites_nothing(orphaned):
+    s = orphaned
+    assert len(s.torchrun) == 1 and len(s.workers) == 1
+    rc, err = s.beside_job
+    assert rc == 2 and len(err) == 1, err
+    assert err[0].startswith(f"repaudit: error: {s.out} is in use by a job whose repaudit run is gone (pid ")
+    assert f"pid {s.torchrun[0]} still runs it" in err[0]  # the process that holds the lock: torchrun
+    assert s.after_beside_job == s.before  # no record rewritten, no event deleted, the manifest untouched
+    assert sorted(s.before["records"]) == [cid(1, 1)]
+
+
+def test_rerun_beside_workers_that_outlived_their_torchrun_refuses(orphaned):
+    s = orphaned
+    assert s.workers_left == s.workers  # torchrun put the worker in a session of its own: it ran on
+    rc, err = s.beside_workers
+    assert rc == 2 and len(err) == 1, err
+    assert f"worker process(es) {s.workers[0]} of an earlier job still run" in err[0]
+    assert s.after_beside_workers == s.before
+
+
+def test_once_the_orphan_is_gone_the_run_resumes(orphaned):
+    s = orphaned
+    rc, err = s.resumed
+    assert rc == 0, err
+    assert s.final.specs == {"hf-tp1-default.1": [cid(1, 2), cid(1, 4)]}
+    assert s.final.records[cid(1, 1)] == s.before["records"][cid(1, 1)]  # never rewritten
+    cells = s.final.manifest["cells"]
+    assert all(c["status"] == "done" for c in cells.values())
+    assert cells[cid(1, 1)]["reused"] and not cells[cid(1, 2)]["reused"]
+    assert s.final.survivors == []
+
+
 # ------------------------------------------------------------------ writes that fail
 
 def _can_mount() -> bool:
@@ -395,14 +489,15 @@ def _tree(path: Path) -> dict[str, str]:
 def test_read_only_run_directory_is_a_clear_error_and_changes_nothing(interrupted, capsys):
     done = interrupted.out  # a finished run
     before = _tree(done)
+    # A read-only mount is the machine's failure (exit 5); a directory the user may not write, their input (2).
+    expected = (5, "Read-only file system") if os.geteuid() == 0 else (2, "permission denied")
     with read_only(done) as view:
         rc, err = main(SIGNAL_ARGS + ["--out", str(view)], capsys)
-        assert rc == 2 and len(err) == 1, err
-        assert err[0].startswith("repaudit: error: ")
-        assert ("Read-only file system" in err[0] or "permission denied" in err[0]) and str(view) in err[0]
+        assert len(err) == 1 and (rc, err[0].split(": ")[2]) == expected, (rc, err)
+        assert err[0].startswith("repaudit: error: ") and str(view) in err[0]
         assert _tree(view) == before
         rc, err = main(SIGNAL_ARGS + ["--out", str(view / "new")], capsys)  # a new run under it
-        assert rc == 2 and len(err) == 1 and str(view / "new") in err[0], err
+        assert rc == expected[0] and len(err) == 1 and str(view / "new") in err[0], err
     assert _tree(done) == before
 
 
@@ -434,7 +529,7 @@ def test_disk_full_mid_run_ends_the_job_and_keeps_the_manifest(tmp_path, capsys,
 
         monkeypatch.setattr(Manifest, "set_cell", filling_set_cell)
         rc, err = main(BASE + ["--tp", "2", "--batch-size", "1", "--out", str(out)], capsys)
-        assert rc == 2 and len(err) == 1, err
+        assert rc == 5 and len(err) == 1, err  # the machine failed, not the input
         assert err[0] == f"repaudit: error: {os.strerror(errno.ENOSPC)}: {out / 'manifest.json'}"
         assert survivors(out) == [] and len(worker_pids(out)) == 2
         m = manifest(out)  # the last complete version

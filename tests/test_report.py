@@ -16,7 +16,8 @@ from repaudit import cli
 from repaudit.diff import Thresholds, diff_records
 from repaudit.gate import load_run
 from repaudit.report import build_run, render_html, render_markdown
-from repaudit.report.analysis import bin_label, prompt_divergence, ulp_bin, ulp_histogram
+from repaudit.report.analysis import (RATIO_CENTER, bin_label, log_ratio_bin, log_ratio_histogram, log_ratio_labels,
+                                      log_ratio_position, prompt_divergence, ulp_bin, ulp_histogram)
 from repaudit.report.arrays import read_arrays
 from repaudit.report.tokens import TokenText
 from conftest import TEST_ENV
@@ -92,6 +93,32 @@ def test_histogram_agrees_with_the_diff(tmp_path, seed):
     assert p50_bin == int(ulp_bin(np.array([r.ulp_p50]))[0])
 
 
+@pytest.mark.parametrize("seed", [1, 2])
+def test_log_ratio_histogram_agrees_with_the_diff(tmp_path, seed):
+    a, b = _random_pair(tmp_path, seed)
+    r = diff_records(a, b, allow_partial=True)
+    h = log_ratio_histogram(r, read_arrays(a), read_arrays(b))
+    assert h.total == r.rl.positions and h.clip == r.rl.clip
+    # d = 0 exactly: the bitwise-equal rows (none is NaN here) plus the +0/-0 pair when it is compared
+    assert 0 <= int(h.counts[RATIO_CENTER]) - r.bitwise_equal <= 1
+    # the outermost bars hold the smallest and the largest d, whose exps are the diff's ratio min and max
+    lo, hi = np.flatnonzero(h.counts)[[0, -1]] - RATIO_CENTER
+    assert lo < 0 <= hi and (log_ratio_bin(np.log([r.rl.ratio_min, r.rl.ratio_max])) - RATIO_CENTER).tolist() == [lo, hi]
+
+
+def test_log_ratio_bins_are_signed_decades():
+    d = np.array([0.0, -0.0, 1e-9, -1e-9, 1e-8, 9.99e-8, -0.5, 0.7, 1.0, 9.0, 10.0, -1e30])
+    want = [0, 0, 1, -1, 2, 2, -9, 9, 10, 10, 11, -11]
+    assert (log_ratio_bin(d) - RATIO_CENTER).tolist() == want
+    labels = log_ratio_labels()
+    assert len(labels) == 2 * RATIO_CENTER + 1 and labels[RATIO_CENTER] == "0" and labels[RATIO_CENTER + 1] == "+<1e-8"
+    assert labels[0] == "−≥10" and labels[RATIO_CENTER + 10] == "+1e0"
+    # log 2 = 0.69 lies in [0.1, 1): 84% of the way through that decade's bar; log 0.5 mirrors it
+    assert log_ratio_position(np.log(2.0)) == pytest.approx(RATIO_CENTER + 9 + np.log10(np.log(2.0)) + 1)
+    assert log_ratio_position(np.log(0.5)) == pytest.approx(2 * RATIO_CENTER + 1 - log_ratio_position(np.log(2.0)))
+    assert log_ratio_position(0.0) == RATIO_CENTER + 0.5
+
+
 def test_first_divergence_in_context(tmp_path):
     a = record(tmp_path / "a.parquet", "a")
     b = record(tmp_path / "b.parquet", "b", tokens={("p1", 3): 90, ("p1", 4): 91}, bits={("p1", 3): BASE + 77, ("p0", 2): BASE + 2 + 5})
@@ -137,6 +164,7 @@ def test_svg_pieces_are_well_formed_xml():
     parts = [
         svg.heatmap(["a<b", "c&d", "e"], lambda i, j: None if i == j else (svg.rate_colour(i, 3), f"{i}{j}", "<hover>"), "t<", {0}, "legend"),
         svg.histogram([5, 0, 3, 1], ["0", "1", "2–3", "4–7"], "h&", "sub", 5, ["#000000"] * 4),
+        svg.histogram([5, 0, 3], ["a", "b", "c"], "h", "sub", 5, ["#000000"] * 3, unit="d<", markers=[(0.5, "log <0.5")]),
         svg.strip([("row<", [(3, "token", "x<y"), (5, "logprob", "z")], "1/2")], 10, "s"),
         svg.bar(3.0, 10.0, "b<"),
     ]
@@ -166,6 +194,11 @@ def test_run_report_with_failures_divergence_and_hostile_text(tmp_path, capsys):
     # the numbers: exact counts and truncated rates
     assert "14/15 (93.33%)" in html and "14/15 (93.33%)" in md
     assert "token fork" in html and "logprob bits" in html
+    # every compared pair has its RL numbers (3 ULP at -2.5: d = 3 * 2**-22), and a log-ratio histogram with the clip marks
+    assert '<h2 id="rl">RL mismatch</h2>' in html and "## RL mismatch" in md
+    d = 3 * 2.0**-22
+    assert repr(d / 15) in html and repr(d / 15) in md.split("## RL mismatch")[1]  # k1 = mean(-d), d = lp_b - lp_a < 0
+    assert html.count('aria-label="log-ratio d:') == 2 and "log 0.5" in html and "log 2.0" in html
     # the matrix holds the completed cells only, and both renderers show it
     data = build_run(load_run(run), Thresholds())
     (mv,) = data.matrices
@@ -207,11 +240,30 @@ def test_diff_html(tmp_path, capsys):
     html = out_html.read_text()
     assert "<h2 id=\"pairs\">B against A</h2>" in html and "token fork" in html and "cell × cell" not in html
     assert "DIVERGENT: 1 of 3 sequences differ in tokens or length" in html
-    assert html.count("<svg") == 2 and _html_problems(html) == []
+    assert html.count("<svg") == 3 and _html_problems(html) == []  # ULP and log-ratio histograms, strip
+    assert '<h2 id="rl">RL mismatch</h2>' in html and "13/13 at d = 0 (ratio exactly 1, 100%)" in html  # p2 forks at pos 3
     assert re.search(r'<td class="hl">2\.0\.1</td>', html)
     rc = cli.main(["diff", str(a), str(a), "--html", str(out_html)])
     capsys.readouterr()
     assert rc == 0 and "IDENTICAL" in out_html.read_text() and "No prompt differs" in out_html.read_text()
+
+
+def test_reports_show_topk_and_columns_held_on_one_side(tmp_path, capsys):
+    from repaudit.gate import gate_files
+    from repaudit.report.build import build_pair
+
+    a = record(tmp_path / "a.parquet", "cell-a", topk={})
+    b = record(tmp_path / "b.parquet", "cell-b", topk={("p0", 2): (BASE + 102) ^ 1}, digests=False)
+    g = gate_files(a, b, Thresholds())
+    html, md = render_html(build_pair(g.pairs[0], Thresholds(), g)), render_markdown(build_pair(g.pairs[0], Thresholds(), g))
+    for text in (html, md):
+        assert "15/15 (100%) / 93.33%" in text  # equal top-k ids / logprob bits
+        assert "not compared (15 only in A)" in text  # row digests
+    assert "record B has no row digests (A has them at 15 positions); cannot prove the distributions equal" in html
+    run = make_run(tmp_path, {"hf-tp2-bs4-default-stock-score": {"topk": {("p1", 0): BASE}}}, topk=True)
+    assert cli.main(["report", str(run)]) == 0
+    capsys.readouterr()
+    assert "15/15 (100%) / 93.33%" in (run / "report.md").read_text()  # one top-2 logprob moved, no id
 
 
 def test_report_bad_input_exit_2(tmp_path, capsys):

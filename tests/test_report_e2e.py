@@ -227,10 +227,10 @@ def test_report_agrees_with_the_run_summary(report: Path):
     for cell, text in rows:  # the same exact counts as summary.json, in both files
         assert text in html and text in md, (cell, text)
     assert "DIVERGENT: 6 of 6 cell pairs fail the gate" in html  # fp32 TP=2 and batch 4 move bits on CPU
-    for h in ("Each cell against its reference", "Cell × cell", "ULP distance", "Where sequences first diverge",
+    for h in ("Each cell against its reference", "Cell × cell", "ULP distance", "RL mismatch", "Where sequences first diverge",
               "First divergent token", "Speed and time", "Environment fingerprint", "Reproduce"):
         assert h in html, h
-    assert html.count('class="plot heatmap"') == 4 and html.count('class="plot histogram"') == 6
+    assert html.count('class="plot heatmap"') == 4 and html.count('class="plot histogram"') == 6 + 6  # ULP, log-ratio
     assert "text decoded with the tokenizer at" in html and "capital of Australia" in html  # decoded, not ids
     assert shlex_join(["repaudit", "run", "--model", "builtin:tiny-qwen3"]) in html
     assert "<script" not in html and "http://" not in html.replace('xmlns="http://www.w3.org/2000/svg"', "")
@@ -255,7 +255,7 @@ def test_report_renders_in_chromium(report: Path, tmp_path: Path):
     for s in svgs:  # every plot was laid out with a real box and drew shapes
         assert s["w"] > 0 and s["h"] > 0 and s["shapes"] > 0, s
     kinds = [s["cls"] for s in svgs]
-    assert kinds.count("plot heatmap") == 4 and kinds.count("plot histogram") == 6 and kinds.count("plot strip") == 1
+    assert kinds.count("plot heatmap") == 4 and kinds.count("plot histogram") == 6 + 6 and kinds.count("plot strip") == 1
     data = png.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
     width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
@@ -318,7 +318,7 @@ def test_diff_html_on_two_cells(run_dir: Path, tmp_path: Path, capsys):
     assert cli.main(["diff", str(a), str(b), "--html", str(out)]) == 1
     capsys.readouterr()
     html = out.read_text()
-    assert "B against A" in html and "text decoded with the tokenizer at" in html and html.count("<svg") == 2
+    assert "B against A" in html and "text decoded with the tokenizer at" in html and html.count("<svg") == 3
     info = check_page(out, tmp_path / "pair.png")
     assert info["problems"] == [] and all(s["w"] > 0 and s["h"] > 0 for s in info["svgs"])
 

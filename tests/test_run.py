@@ -16,7 +16,7 @@ from repaudit import commands
 from repaudit.diff import diff_records
 from repaudit.jobspec import cell_path
 from repaudit.plan import Matrix
-from repaudit.records import load_frame
+from repaudit.records import load_frame, read_meta
 from repaudit.run import RunOptions
 
 pytestmark = pytest.mark.slow
@@ -140,3 +140,65 @@ def test_chat_suite_goes_through_the_chat_template(tmp_path: Path):
     for p in prompts:
         assert p.tokens[0] == im_start
         assert tok.decode(p.tokens).endswith("<|im_start|>assistant\n")
+
+
+# Every default of the Python API (dtype "auto", device "cpu"), one launch group of two cells.
+API_MATRIX = Matrix(model="builtin:tiny-qwen3", probes="smoke", tps=(1,), batch_sizes=(1, 2), modes=("generate",),
+                    max_new_tokens=2)
+
+
+@pytest.fixture(scope="module")
+def api_run(tmp_path_factory):
+    """A run through the Python API with its defaults (dtype="auto"), watching the manifest on disk
+    each time a cell reports done, while its launch group still runs."""
+    from repaudit import run as run_mod
+
+    out = tmp_path_factory.mktemp("api") / "run"
+    on_disk: dict[str, str] = {}
+    real_run_group = run_mod.run_group
+
+    def watching(spec, job_dir, **kw):
+        report = kw["on_event"]
+
+        def on_event(ev):
+            report(ev)
+            if ev["event"] == "cell_done":
+                on_disk[ev["cell"]] = json.loads((out / "manifest.json").read_text())["cells"][ev["cell"]]["status"]
+
+        return real_run_group(spec, job_dir, **{**kw, "on_event": on_event})
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(run_mod, "run_group", watching)
+        rc = commands.run(API_MATRIX, RunOptions(out=out))
+    return out, rc, on_disk
+
+
+def test_python_api_defaults_run(api_run):
+    out, rc, _ = api_run
+    assert rc == 0
+    assert read_meta(cell_path(out, "hf-tp1-bs1-default-stock-generate")).cell["dtype"] == "float32"
+
+
+def test_a_cell_is_done_in_the_manifest_as_soon_as_it_is(api_run):
+    _, _, on_disk = api_run
+    assert on_disk == {"hf-tp1-bs1-default-stock-generate": "done", "hf-tp1-bs2-default-stock-generate": "done"}
+
+
+def test_a_reused_cell_keeps_its_numbers(api_run):
+    """A record already on disk is done in the next run, with its rows and its time, and says it was reused;
+    one written by a job that outlived its run (the manifest still says running) gets its rows from the record."""
+    out, _, _ = api_run
+    path = out / "manifest.json"
+    before = json.loads(path.read_text())["cells"]
+    orphaned = "hf-tp1-bs2-default-stock-generate"
+    data = json.loads(path.read_text())
+    data["cells"][orphaned] = {"status": "running"}
+    path.write_text(json.dumps(data))
+    assert commands.run(API_MATRIX, RunOptions(out=out)) == 0
+    after = json.loads(path.read_text())["cells"]
+    kept = "hf-tp1-bs1-default-stock-generate"
+    assert after[kept]["reused"] and after[kept]["status"] == "done"
+    numbers = ("seconds", "rows", "timing")
+    assert {k: after[kept][k] for k in numbers} == {k: before[kept][k] for k in numbers}
+    assert after[orphaned]["status"] == "done" and after[orphaned]["reused"]
+    assert after[orphaned]["rows"] == before[orphaned]["rows"] > 0

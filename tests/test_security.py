@@ -185,3 +185,48 @@ def test_a_run_writes_only_under_out_and_the_cache(tmp_path):
                      and p not in dirs.values())
     assert outside == []  # no PWNED files either: the shell never saw the path
     assert list((out / "jobs").rglob("*.torchrun"))  # torchrun's own files are in the run directory
+
+
+# ------------------------------------------------------------------ what a run records about its environment
+
+SECRETS = {"VLLM_API_KEY": "vllm-key", "HF_TOKEN": "hf-token", "NCCL_SOCKET_PASSWORD": "nccl-pass",
+           "MY_SECRET": "made-up", "CUDA_API_KEY": "cuda-key"}
+
+
+def test_no_credential_reaches_any_file_of_a_run(tmp_path):
+    """Credentials in the environment (some under allow-listed prefixes) never reach a record, the
+    manifest, the summary, the job files or the report, in any encoding: every byte of every file
+    in the run directory is searched for each value."""
+    import uuid
+
+    values = {name: f"{word}-{uuid.uuid4().hex}" for name, word in SECRETS.items()}
+    env = {**os.environ, **values, "PYTHONDONTWRITEBYTECODE": "1"}
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "repaudit"]
+    for args in (["run", "--tp", "1", "--batch-size", "1", "--mode", "generate", "--probes", "smoke",
+                  "--max-new-tokens", "2", "--out", str(out)], ["report", str(out)]):
+        proc = subprocess.run(cmd + args, env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode in (0, 1), proc.stdout[-3000:] + proc.stderr[-3000:]
+    files = [p for p in out.rglob("*") if p.is_file()]
+    assert any(p.suffix == ".parquet" for p in files) and (out / "report.html").is_file()
+    leaks = {f"{p.relative_to(out)}: {name}" for p in files for name, value in values.items()
+             if value.encode() in p.read_bytes()}
+    assert leaks == set()
+    # Said to be set where a name is on the allow-list, never with its value.
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["environment"]["vars"]["NCCL_SOCKET_PASSWORD"] == "<set>"
+    assert manifest["environment"]["vars"]["CUDA_API_KEY"] == "<set>"
+    assert "VLLM_API_KEY" not in manifest["environment"]["vars"]  # not a switch that changes bits
+
+
+def test_fingerprint_keeps_allow_listed_switches_and_redacts_credentials():
+    from repaudit.fingerprint import recorded_vars
+
+    got = recorded_vars({"NCCL_ALGO": "Ring", "CUBLAS_WORKSPACE_CONFIG": ":4096:8", "OMP_NUM_THREADS": "4",
+                         "VLLM_BATCH_INVARIANT": "1", "VLLM_API_KEY": "x", "VLLM_HOST_IP": "10.0.0.1",
+                         "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE": "1", "TORCH_HOME": "/home/u", "HF_TOKEN": "x",
+                         "NCCL_IB_SECRET_KEY": "x", "nccl_token": "x", "CUDA_VISIBLE_DEVICES": "0",
+                         "NCCL_DEBUG": "INFO", "TORCHELASTIC_RUN_ID": "1", "NVIDIA_TF32_OVERRIDE": "0"})
+    assert got == {"NCCL_ALGO": "Ring", "CUBLAS_WORKSPACE_CONFIG": ":4096:8", "OMP_NUM_THREADS": "4",
+                   "VLLM_BATCH_INVARIANT": "1", "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE": "1",
+                   "NCCL_IB_SECRET_KEY": "<set>", "NVIDIA_TF32_OVERRIDE": "0"}

@@ -85,38 +85,60 @@ def test_engine_args_are_the_documented_defaults_and_vllm_args_override():
     assert args["tensor_parallel_size"] == 2 and args["max_num_seqs"] == 8 and args["max_logprobs"] == 1
     assert args["logprobs_mode"] == "raw_logprobs" and args["enable_prefix_caching"] is False
     assert args["enforce_eager"] is False
+    plain = vllm_engine.engine_args(model_path="/m", tp=1, dtype="bfloat16", batch_size=8, max_len=300, topk=5)
+    # vLLM as it ships: no eager mode, no compilation or memory settings of repaudit's own
+    assert not {"enforce_eager", "compilation_config", "gpu_memory_utilization"} & set(plain)
 
 
 # ---------------------------------------------------------------- with vLLM's own classes
 
 
-@pytest.mark.skipif(not HAVE_VLLM, reason="vllm is not installed (optional extra repaudit[vllm])")
-def test_real_vllm_outputs_convert_to_rows_exactly():
-    from vllm.logprobs import Logprob
-    from vllm.outputs import CompletionOutput, RequestOutput
+def _flat(entries_per_position):
+    """FlatLogprobs in its JSON form: per position, the position's own token then ranks 1..k."""
+    out = {"start": [], "end": [], "token_ids": [], "logprobs": [], "ranks": []}
+    for entries in entries_per_position:
+        out["start"].append(len(out["logprobs"]))
+        for tid, lp, rank in entries:
+            out["token_ids"].append(tid)
+            out["logprobs"].append(lp)
+            out["ranks"].append(rank)
+        out["end"].append(len(out["logprobs"]))
+    return out
 
+
+def test_flat_vllm_logprobs_convert_to_rows_exactly():
     f32 = np.array([-0.1234567, -2.5, -7.75e-5, -3.0000002, -1.0e-30], dtype=np.float32)
     lp = [float(v) for v in f32]  # vLLM hands over float32 values as Python floats
-    prompt = [11, 12, 13]
-    prompt_lps = [None,
-                  {12: Logprob(lp[0], rank=1), 99: Logprob(lp[1], rank=2)},
-                  {13: Logprob(lp[1], rank=2), 98: Logprob(lp[0], rank=1)}]
-    gen = CompletionOutput(index=0, text="", token_ids=[21, 2], cumulative_logprob=None,
-                           logprobs=[{21: Logprob(lp[2], rank=1), 5: Logprob(lp[3], rank=2)},
-                                     {2: Logprob(lp[4], rank=1), 7: Logprob(lp[3], rank=2)}],
-                           finish_reason="stop")
-    out = RequestOutput(request_id="0", prompt=None, prompt_token_ids=prompt, prompt_logprobs=prompt_lps,
-                        outputs=[gen], finished=True)
+    out = vllm_engine.output_from_json({
+        "prompt_token_ids": [11, 12, 13],
+        "prompt_logprobs": _flat([[], [(12, lp[0], 1), (12, lp[0], 1), (99, lp[1], 2)],
+                                  [(13, lp[1], 2), (98, lp[0], 1), (13, lp[1], 2)]]),
+        "token_ids": [21, 2],
+        "logprobs": _flat([[(21, lp[2], 1), (21, lp[2], 1), (5, lp[3], 2)], [(2, lp[4], 1), (2, lp[4], 1), (7, lp[3], 2)]]),
+    })
     rows = vllm_engine.rows_from_output(out, "p", prompt_len=3, topk=2, completion=True)
     assert rows.pos.tolist() == [1, 2, 3, 4] and rows.token_id.tolist() == [12, 13, 21, 2]
     assert rows.logprob.view(np.uint32).tolist() == f32[[0, 1, 2, 4]].view(np.uint32).tolist()
     assert rows.top1.tolist() == [12, 98, 21, 2]
     assert rows.topk_ids.tolist() == [[12, 99], [98, 13], [21, 5], [2, 7]]
+    assert rows.topk_logprobs.view(np.uint32).tolist() == f32[[[0, 1], [0, 1], [2, 3], [4, 3]]].view(np.uint32).tolist()
     assert rows.phase.tolist() == ["prompt", "prompt", "completion", "completion"]
     assert rows.digest is None
     scored = vllm_engine.rows_from_output(out, "p", prompt_len=2, topk=0, completion=False)
     assert scored.pos.tolist() == [1, 2] and scored.phase.tolist() == ["prompt", "completion"]
     assert scored.topk_ids.shape == (2, 0)
+
+
+def test_vllm_logprobs_that_do_not_match_the_sequence_are_refused():
+    out = vllm_engine.output_from_json({
+        "prompt_token_ids": [11, 12], "prompt_logprobs": _flat([[], [(77, -1.0, 3), (12, -0.5, 1)]]),
+        "token_ids": [], "logprobs": _flat([])})
+    with pytest.raises(RuntimeError, match="other tokens"):
+        vllm_engine.rows_from_output(out, "p", prompt_len=2, topk=1, completion=False)
+    short = vllm_engine.output_from_json({
+        "prompt_token_ids": [11, 12], "prompt_logprobs": _flat([[], [(12, -0.5, 1)]]), "token_ids": [], "logprobs": _flat([])})
+    with pytest.raises(RuntimeError, match="1 logprob entries at position 0, expected 2"):
+        vllm_engine.rows_from_output(short, "p", prompt_len=2, topk=1, completion=False)
 
 
 @pytest.mark.gpu
@@ -156,3 +178,92 @@ def test_vllm_engine_arguments_are_part_of_a_vllm_cells_settings_only():
     assert "vllm_args" not in by_engine["hf"]
     plain = expand(Matrix(model="x", engines=("vllm",), tps=(1,), batch_sizes=(1,), modes=("generate",), device="cuda"))
     assert "vllm_args" not in cell_settings(plain.cells[0], plain, ref, suite)  # records made before stay reusable
+
+
+def test_a_vllm_job_is_one_plain_process_without_torchrun_variables():
+    from pathlib import Path
+
+    from repaudit.launch import worker_command
+
+    cmd = worker_command(Path("/r/spec.json"))
+    assert "torch.distributed.run" not in cmd and cmd[-3:] == ["-m", "repaudit.worker", "/r/spec.json"]
+    env = {"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "0", "RANK": "0", "WORLD_SIZE": "1",
+           "MASTER_PORT": "29500", "PATH": "/bin", "NCCL_ALGO": "Tree"}
+    vllm_engine.scrub_launcher_env(env)
+    assert env == {"PATH": "/bin", "NCCL_ALGO": "Tree"}
+
+
+_STORE = """
+import datetime, socket, sys, torch.distributed as dist
+s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
+try:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=3))
+except Exception as exc:
+    sys.exit(f"no process group: {type(exc).__name__}")
+"""
+
+
+def test_torchruns_agent_store_variable_is_why_a_vllm_driver_under_torchrun_hangs():
+    """What vLLM's driver does at start-up (its own tcp:// process group) never completes with
+    torchrun's TORCHELASTIC_USE_AGENT_STORE=True in the environment, and does once scrubbed."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith("TORCHELASTIC_")}
+    hung = subprocess.run([sys.executable, "-c", _STORE], env={**base, "TORCHELASTIC_USE_AGENT_STORE": "True"},
+                          capture_output=True, text=True, timeout=120)
+    assert hung.returncode != 0 and "no process group" in hung.stderr
+    env = {**base, "TORCHELASTIC_USE_AGENT_STORE": "True"}
+    vllm_engine.scrub_launcher_env(env)
+    ok = subprocess.run([sys.executable, "-c", _STORE], env=env, capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0, ok.stderr
+
+
+def test_the_plugins_tbik_ops_are_custom_ops_that_torch_compile_can_trace():
+    """vLLM compiles its model with torch.compile: the plugin's ops must have a schema and a fake
+    implementation, and give tbik's bits, traced or not (CPU backend here)."""
+    import torch
+
+    import tbik
+
+    if not hasattr(torch.ops.repaudit, "tbik_partial"):
+        vllm_plugin._define_ops()
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(5, 64, generator=g), torch.randn(24, 64, generator=g)  # w as vLLM holds it: [N, K]
+    halves = [torch.ops.repaudit.tbik_partial(x[:, i * 32:(i + 1) * 32].contiguous(), w[:, i * 32:(i + 1) * 32], 2)
+              for i in range(2)]
+    whole = torch.ops.repaudit.tbik_partial(x, w, 1)
+    assert torch.equal(whole, tbik.matmul_partial(x, w.t(), tp_size=1))
+    joined = torch.ops.repaudit.tbik_tree_sum(torch.cat(halves), 2)
+    assert joined.view(torch.int32).equal(whole.view(torch.int32))  # TP=2 gives TP=1's bits
+
+    def row_parallel(xa, xb):
+        parts = torch.cat([torch.ops.repaudit.tbik_partial(xa, w[:, :32], 2), torch.ops.repaudit.tbik_partial(xb, w[:, 32:], 2)])
+        return torch.ops.repaudit.tbik_tree_sum(parts, 2)
+
+    traced = torch.compile(row_parallel, backend="aot_eager", fullgraph=True)
+    out = traced(x[:, :32].contiguous(), x[:, 32:].contiguous())
+    assert out.view(torch.int32).equal(whole.view(torch.int32))
+
+
+def test_outputs_recorded_from_a_real_vllm_run_convert_to_the_same_rows():
+    """tests/data/vllm_outputs.json: real vLLM 0.25.1 outputs (flat logprobs, H200, greedy) with the
+    rows repaudit made of them on that machine (benchmarks/vllm_speed.py --fixture)."""
+    import json
+    from pathlib import Path
+
+    data = json.loads((Path(__file__).parent / "data" / "vllm_outputs.json").read_text())
+    assert data["vllm"] in vllm_plugin.TESTED_VLLM and len(data["cases"]) == 4
+    for case in data["cases"]:
+        rows = vllm_engine.rows_from_output(vllm_engine.output_from_json(case["output"]), case["prompt_id"],
+                                            case["prompt_len"], case["topk"], completion=case["completion"])
+        want = case["rows"]
+        assert rows.pos.tolist() == want["pos"] and rows.token_id.tolist() == want["token_id"]
+        assert rows.top1.tolist() == want["top1"] and rows.topk_ids.tolist() == want["topk_ids"]
+        assert rows.logprob.view(np.uint32).tolist() == want["logprob_bits"]
+        assert rows.topk_logprobs.view(np.uint32).tolist() == want["topk_logprob_bits"]
+        # greedy: each generated token has its row's largest logprob. Not always vLLM's rank-1 id:
+        # this fixture holds an exact tie (two tokens at -9.012621) that the sampler broke one way
+        # and top-k the other.
+        gen = rows.pos >= rows.prompt_len
+        assert (rows.logprob[gen].view(np.uint32) == rows.topk_logprobs[gen, 0].view(np.uint32)).all()
+        tied = rows.topk_logprobs[gen, 0] == rows.topk_logprobs[gen, 1]
+        assert ((rows.token_id[gen] == rows.top1[gen]) | tied).all()

@@ -9,6 +9,7 @@ recorded.
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -22,6 +23,7 @@ from ..errors import InputError
 from .base import Sequence, Timing, TokenRows
 
 LOGIT_ROWS_PER_CHUNK = 256
+CACHE_IMPLEMENTATION = "dynamic"  # the KV cache generate() decodes with; benchmarks give model.generate the same
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -67,23 +69,162 @@ def load(path: str, *, dtype: str, device: str, tp: int, trust_remote_code: bool
         kwargs["device_map"] = str(local)
     model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     model.eval()
+    base = _base_name(model)
+    if model.base_model is not model._modules[base]:
+        # Llama4ForCausalLM names its base model `model` but declares base_model_prefix
+        # "language_model", so model.base_model would be the CausalLM itself; point it at the
+        # module the CausalLM's forward calls (this instance only).
+        model.base_model_prefix = base
     return HFModel(model=model, device=local, tp=tp, eos_id=eos_id, pad_id=pad_id,
                    log_softmax=lambda x: torch.log_softmax(x, dim=-1))
 
 
+# transformers model types (of the checkpoint's config, which AutoModelForCausalLM dispatches on)
+# whose records tests/test_conformance.py proves bitwise equal to log_softmax(model(ids).logits):
+# every decoder family with a TP plan, less the ones that test skips with its reason. Anything
+# else is refused by cfg_check; a family joins this list when it passes that test.
+VERIFIED_FAMILIES = frozenset({
+    "apertus", "arcee", "aria_text", "axk1", "axk2", "cohere", "cohere2", "cohere2_moe", "cohere_compass_text",
+    "cwm", "deepseek_v2", "deepseek_v3", "deepseek_v32", "doge", "dots1", "ernie4_5", "ernie4_5_moe", "exaone4",
+    "exaone_moe", "flex_olmo", "gemma", "gemma2", "gemma3_text", "gemma3n_text", "gemma4_text",
+    "gemma4_unified_text", "glm", "glm4", "glm4_moe", "glm4_moe_lite", "glm_moe_dsa", "gpt_neox", "granite",
+    "granite_swa", "granitemoe_swa", "helium", "hrm_text", "hy_v3", "hy_v4", "hyperclovax", "inkling_text",
+    "jais2", "kimi_linear", "laguna", "llama", "llama4", "llama4_text", "longcat_flash", "mellum",
+    "mimo_v2_flash", "minicpm3", "minimax_m2", "minimax_m3_vl_text", "ministral", "ministral3",
+    "mistral", "mixtral", "nanochat", "olmo", "olmo2", "olmo3", "olmo_hybrid", "olmoe", "phi", "phi3",
+    "phi4_multimodal", "qwen2", "qwen2_moe", "qwen3", "qwen3_5_moe_text", "qwen3_5_text", "qwen3_moe",
+    "qwen3_next", "qwen4_exp_text", "seed_oss", "smollm3", "solar_open", "starcoder2", "vaultgemma", "youtu",
+})
+
+
 def cfg_check(path: str, trust_remote_code: bool) -> None:
+    """Refuse, in one line (InputError), a model whose logprobs this engine cannot prove are the
+    model's own. Reads the config only: cheap enough for the planner to call before a run starts."""
     from transformers import AutoConfig
 
-    cfg = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code).get_text_config()
-    for attr in ("final_logit_softcapping", "logit_scale"):
-        if getattr(cfg, attr, None) not in (None, 1.0):
-            raise InputError(f"model uses {attr}; repaudit computes logits from lm_head directly and does not apply it yet")
+    cfg = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    model_type = getattr(cfg, "model_type", None)
+    if trust_remote_code and "AutoModelForCausalLM" in (getattr(cfg, "auto_map", None) or {}):
+        remote = cfg.auto_map["AutoModelForCausalLM"]
+        raise InputError(f"{path}: the model's code comes from the Hub (remote code, {remote}); repaudit's "
+                         "transformers engine records logprobs only for transformers' own families, whose logits "
+                         "it has verified")
+    if model_type not in VERIFIED_FAMILIES:
+        raise InputError(f"{path}: model type {model_type!r} is not one of the families whose logprobs repaudit's "
+                         "transformers engine reproduces bit for bit (repaudit.engines.hf.VERIFIED_FAMILIES)")
+
+
+def _base_name(model: torch.nn.Module) -> str:
+    """The attribute under which the CausalLM holds its base model (the module its forward calls
+    for the final hidden states): base_model_prefix where that names a child, else the one child
+    that is not the output embeddings."""
+    if model.base_model_prefix in model._modules:
+        return model.base_model_prefix
+    head = model.get_output_embeddings()
+    names = [name for name, child in model.named_children() if child is not head]
+    if len(names) != 1:
+        raise RuntimeError(f"{type(model).__name__}: cannot tell its base model among {names}")
+    return names[0]
+
+
+@functools.cache
+def _hidden_only() -> type:
+    """The base model's output as the CausalLM's forward reads it: the final hidden states, and
+    None for every other field it may ask for (router_logits, shared_kv_states, ...). Made on
+    first use, so importing this module does not import transformers."""
+    from transformers.modeling_outputs import BaseModelOutputWithPast
+
+    class HiddenOnly(BaseModelOutputWithPast):
+        def __getattr__(self, name: str) -> Any:
+            if name.startswith("_"):
+                raise AttributeError(name)
+            return None
+
+    return HiddenOnly
+
+
+class _GivenHidden(torch.nn.Module):
+    """Stands in for the base model inside the CausalLM's own forward and returns hidden states
+    already computed, so the forward runs only its head: lm_head and whatever the family does
+    around it (Granite's and MiniCPM3's logits_scaling, Gemma's final_logit_softcapping,
+    Cohere's logit_scale, ...)."""
+
+    def __init__(self, hidden: torch.Tensor):
+        super().__init__()
+        self.hidden = hidden
+        self.calls = 0
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls += 1
+        return _hidden_only()(last_hidden_state=self.hidden)
 
 
 def _head(hfm: HFModel, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Final hidden rows -> (fp32 logits, fp32 log-softmax)."""
-    logits = hfm.model.get_output_embeddings()(hidden).float()
+    """Final hidden states ([n, H] rows or [B, T, H]) -> (fp32 logits, fp32 log-softmax), same
+    leading shape.
+
+    The logits are the model's own: its CausalLM forward runs on `hidden` with the base model
+    swapped for a stub that returns them (logits_to_keep=0: every row), so a family's own final
+    transform applies by construction (Granite's logits_scaling, Gemma's softcapping, Cohere's
+    logit_scale, MiniCPM3's and Inkling's scaling of the hidden states, Inkling's vocabulary
+    cut, ...) and a recorded logprob is log_softmax of `model(ids).logits.float()`. The base
+    model still runs once per batch in `_forward`, and the callers pass rows chunk by chunk, so
+    [tokens x vocab] never exists for a whole batch. The log-softmax is hfm.log_softmax (the
+    kernel modes replace it).
+
+    Shapes: a row's bits depend on how many rows go through lm_head's GEMM together (CPU and
+    GPU libraries pick kernels and blockings by M; on CPU a 1-row product differs from the same
+    row inside a 2-row one). So the head runs as the model's forward on ONE sequence does:
+    [n, H] as [1, n, H] (one GEMM of n rows), [B, T, H] one sequence at a time as [1, T, H].
+    The records then equal `model(ids)` on that sequence alone when the caller passes the
+    sequence's hidden states as they are ([1, T, H] with T its length, or the [T, H] rows,
+    the last position included: see _sequence_rows), and a sequence's logits do not depend on
+    what else is in the batch. A decode step's [B, H] (one row per sequence) runs as one GEMM
+    of B rows, as generate() does at batch B; [B, 1, H] would be B GEMVs that each read all of
+    lm_head, far slower on a GPU.
+    """
+    if hidden.dim() == 3 and hidden.shape[0] > 1:
+        parts = [_head(hfm, hidden[b : b + 1]) for b in range(hidden.shape[0])]
+        return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+    model = hfm.model
+    prefix = _base_name(model)
+    x = hidden[None] if hidden.dim() == 2 else hidden
+    stub = _GivenHidden(x)
+    base = model._modules[prefix]
+    model._modules[prefix] = stub
+    try:
+        out = model(logits_to_keep=0, return_dict=True)
+    finally:
+        model._modules[prefix] = base
+    if stub.calls != 1:  # the forward did not take its hidden states from the base model: nothing proven
+        raise RuntimeError(f"{type(model).__name__}.forward called its base model {stub.calls} times, expected once")
+    logits = out.logits.float()
+    if logits.shape[:-1] != x.shape[:-1]:
+        raise RuntimeError(f"{type(model).__name__}.forward returned logits {tuple(logits.shape)} "
+                           f"for hidden states {tuple(x.shape)}")
+    if hidden.dim() == 2:
+        logits = logits[0]
     return logits, hfm.log_softmax(logits)
+
+
+def _sequence_rows(hfm: HFModel, hidden: torch.Tensor, targets: torch.Tensor, topk: int) -> dict[str, torch.Tensor]:
+    """One sequence's final hidden states [n, H], every position of it (the last included), and
+    the n - 1 tokens its rows 0..n-2 predict -> the per-row values of those n - 1 rows.
+
+    The head runs on all n rows, the shape `model(ids)` gives lm_head for this sequence, so
+    the records are bitwise those logits (see _head; the one extra row costs 1/n of the head).
+    A sequence longer than LOGIT_ROWS_PER_CHUNK goes through in chunks of that many rows (the
+    memory bound wins there; only such sequences can differ from a one-GEMM forward). n >= 2."""
+    n = hidden.shape[0]
+    if n < 2:
+        raise ValueError(f"a sequence of {n} token(s) has no row to record")
+    parts = []
+    for i in range(0, n - 1, LOGIT_ROWS_PER_CHUNK):
+        j = min(i + LOGIT_ROWS_PER_CHUNK, n)
+        logits, lp = _head(hfm, hidden[i:j])
+        keep = min(j, n - 1) - i
+        parts.append(_extract(logits[:keep], lp[:keep], targets[i : i + keep], topk))
+    return _cat_rows(parts)
 
 
 def _extract(logits: torch.Tensor, lp: torch.Tensor, targets: torch.Tensor, topk: int) -> dict[str, torch.Tensor]:
@@ -97,12 +238,7 @@ def _extract(logits: torch.Tensor, lp: torch.Tensor, targets: torch.Tensor, topk
     return out
 
 
-def _logit_rows(hfm: HFModel, hidden: torch.Tensor, targets: torch.Tensor, topk: int) -> dict[str, torch.Tensor]:
-    """hidden [n, H], targets [n] -> per-row values, chunk by chunk so [n x vocab] never exists."""
-    parts = [
-        _extract(*_head(hfm, hidden[i : i + LOGIT_ROWS_PER_CHUNK]), targets[i : i + LOGIT_ROWS_PER_CHUNK], topk)
-        for i in range(0, hidden.shape[0], LOGIT_ROWS_PER_CHUNK)
-    ]
+def _cat_rows(parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
 
 
@@ -145,10 +281,8 @@ def score(hfm: HFModel, batch: list[Sequence], topk: int) -> tuple[list[TokenRow
     _sync(hfm.device)
     t0 = time.perf_counter()
     hidden = _forward(hfm, ids, mask, positions, mask.bool(), [s.prompt_id for s in batch])
-    # Row (b, t) predicts the token at t + 1; gather the real ones.
-    b_idx = torch.cat([torch.full((n - 1,), b, dtype=torch.long) for b, n in enumerate(lens)]).to(hfm.device)
-    t_idx = torch.cat([torch.arange(n - 1) for n in lens]).to(hfm.device)
-    vals = _logit_rows(hfm, hidden[b_idx, t_idx], ids[b_idx, t_idx + 1], topk)
+    # Row (b, t) predicts the token at t + 1; the head sees each sequence as model(ids) does.
+    vals = _cat_rows([_sequence_rows(hfm, hidden[b, :n], ids[b, 1:n], topk) for b, n in enumerate(lens)])
     _sync(hfm.device)
     timing = Timing(prefill_s=time.perf_counter() - t0, prefill_tokens=sum(lens))
 
@@ -193,9 +327,8 @@ def generate(hfm: HFModel, batch: list[Sequence], topk: int) -> tuple[list[Token
     pids = [s.prompt_id for s in batch]
     hidden = _forward(hfm, ids, mask, positions, mask.bool(), pids, past_key_values=cache, use_cache=True)
     # Row (b, t) of a real prompt token predicts the token at t + 1.
-    b_idx = torch.cat([torch.full((n - 1,), b, dtype=torch.long) for b, n in enumerate(plens)]).to(hfm.device)
-    t_idx = torch.cat([torch.arange(T - n, T - 1) for n in plens]).to(hfm.device)
-    prompt_vals = _logit_rows(hfm, hidden[b_idx, t_idx], ids[b_idx, t_idx + 1], topk) if len(b_idx) else None
+    per = [_sequence_rows(hfm, hidden[b, T - n:], ids[b, T - n + 1:], topk) for b, n in enumerate(plens) if n > 1]
+    prompt_vals = _cat_rows(per) if per else None
     step = choose(hidden[:, -1])
     _sync(hfm.device)
     timing = Timing(prefill_s=time.perf_counter() - t0, prefill_tokens=sum(plens))

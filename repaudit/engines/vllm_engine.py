@@ -17,9 +17,19 @@ vLLM never shows the full logits row, so vLLM records carry no row digest (null)
 
 A cell's batch size is how many prompts are handed to vLLM together (LLM.generate on one batch;
 max_num_seqs is the job's largest batch size): within a batch vLLM's scheduler is free, with
-chunked prefill and finished sequences leaving, as in a server. Prefix caching is off (a cached
-prefix would change which tokens a forward computes); CUDA graphs and torch.compile are off by
-default so a cell starts in seconds; --vllm-arg changes any engine argument.
+chunked prefill and finished sequences leaving, as in a server.
+
+A cell runs vLLM as it ships: torch.compile, CUDA graphs, its default attention backend and
+memory share. The settings repaudit changes, and why (docs/vllm.md lists them too):
+- enable_prefix_caching=False: a cell is a cold prefill of every prompt; a cached prefix
+  would change which tokens a forward computes (a scenario of its own, not a default).
+- logprobs_mode="raw_logprobs", max_logprobs=k: the log-softmax of the model's logits
+  before any logits processor, and as many of them as the record's top-k needs.
+- skip_tokenizer_init=True: records hold token ids; vLLM never detokenizes.
+- max_num_seqs = the largest batch size of the job, max_model_len = the longest sequence:
+  the batch is what the cell measures, and the KV cache is sized for the suite.
+- seed=0 and greedy sampling (temperature 0).
+--vllm-arg KEY=VALUE sets any engine argument (e.g. enforce_eager=true).
 """
 
 from __future__ import annotations
@@ -38,16 +48,28 @@ KERNEL_ENV = {
     "bi": {"VLLM_BATCH_INVARIANT": "1", "REPAUDIT_VLLM_TBIK": "0"},
     "tbik": {"VLLM_BATCH_INVARIANT": "1", "REPAUDIT_VLLM_TBIK": "1"},
 }
-# The worker's torchrun job is one process; vLLM must not mistake it for an external launcher.
+# vLLM's driver must not look like a torchrun rank: with RANK/WORLD_SIZE it would take itself
+# for an external launcher, and with TORCHELASTIC_USE_AGENT_STORE=True every store it creates
+# would be a client of an agent that is not there (its process group then waits forever).
 TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
                  "ROLE_WORLD_SIZE", "GROUP_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
 
 
+def scrub_launcher_env(env: dict[str, str]) -> None:
+    for var in [v for v in env if v in TORCHRUN_VARS or v.startswith("TORCHELASTIC_")]:
+        del env[var]
+
+
 def require(device: str = "cuda", nnodes: int = 1) -> None:
+    from .vllm_plugin import TESTED_VLLM
+
     try:
-        import vllm  # noqa: F401  (the import is the check)
+        import vllm
     except ImportError as exc:
         raise InputError(f"--engine vllm needs vLLM ({exc}): {INSTALL_HINT}") from None
+    if vllm.__version__ not in TESTED_VLLM:
+        raise InputError(f"--engine vllm: vLLM {vllm.__version__} is untested; repaudit supports vLLM "
+                         f"{', '.join(TESTED_VLLM)} ({INSTALL_HINT})")
     if device != "cuda":
         raise InputError("--engine vllm runs on GPUs: add --device cuda")
     if nnodes > 1:
@@ -67,9 +89,8 @@ def engine_args(*, model_path: str, tp: int, dtype: str, batch_size: int, max_le
                 extra: dict[str, Any] | None = None) -> dict[str, Any]:
     args = dict(
         model=model_path, tensor_parallel_size=tp, dtype=dtype, seed=0, max_num_seqs=batch_size,
-        max_model_len=max_len, enable_prefix_caching=False, enforce_eager=True,
-        compilation_config={"mode": 0}, skip_tokenizer_init=True, logprobs_mode="raw_logprobs",
-        max_logprobs=max(topk, 1), gpu_memory_utilization=0.6, disable_log_stats=True,
+        max_model_len=max_len, enable_prefix_caching=False, skip_tokenizer_init=True,
+        logprobs_mode="raw_logprobs", max_logprobs=max(topk, 1), disable_log_stats=True,
     )
     args.update(extra or {})
     return args
@@ -84,10 +105,12 @@ def load(args: dict[str, Any]):
 def _params(max_tokens: int, topk: int, eos_id: int | None, prompt_logprobs: bool):
     from vllm import SamplingParams
 
-    # At least one logprob per row: the rank-1 entry is the row's top-1 token.
+    # At least one logprob per row: the rank-1 entry is the row's top-1 token. Flat logprobs:
+    # vLLM keeps a request's logprobs in a few flat lists instead of a dict per position, which
+    # costs vLLM and this conversion far less than (1 + k) Python objects per token.
     k = max(topk, 1)
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=k, prompt_logprobs=k if prompt_logprobs else None,
-                          detokenize=False, stop_token_ids=[eos_id] if eos_id is not None else None)
+                          detokenize=False, stop_token_ids=[eos_id] if eos_id is not None else None, flat_logprobs=True)
 
 
 def _run(llm, token_lists: list[list[int]], params: list) -> tuple[list, float]:
@@ -113,45 +136,76 @@ def generate(llm, seqs: list[Sequence], topk: int, eos_id: int | None) -> tuple[
     return rows, Timing(decode_s=seconds, decode_tokens=sum(len(o.outputs[0].token_ids) for o in outs))
 
 
-def _row(entries, token: int, topk: int) -> tuple[np.float32, int, list[int], list[np.float32]]:
-    """One position's logprob dict {token_id: Logprob} -> (logprob of token, top-1 id, top-k)."""
-    if token not in entries:
-        raise RuntimeError(f"vLLM returned no logprob for token {token} (got ids {sorted(entries)[:8]})")
-    ranked = sorted(((lp.rank, tid, lp.logprob) for tid, lp in entries.items() if lp.rank is not None))
-    if not ranked or ranked[0][0] != 1:
-        raise RuntimeError("vLLM returned no rank-1 entry; repaudit asks for at least one logprob per position")
-    top = ranked[:topk]
-    return np.float32(entries[token].logprob), ranked[0][1], [t for _, t, _ in top], [np.float32(v) for _, _, v in top]
+def _flat(flat, positions: slice, k: int, what: str) -> dict[str, np.ndarray]:
+    """vLLM's FlatLogprobs for `positions` -> per-position arrays. Each position holds 1 + k
+    entries: the position's own token (with its rank), then ranks 1..k in rank order."""
+    start = np.asarray(flat.start_indices[positions], dtype=np.int64)
+    count = np.asarray(flat.end_indices[positions], dtype=np.int64) - start
+    if len(start) and not (count >= 1 + k).all():
+        bad = int(np.argmax(count < 1 + k))
+        raise RuntimeError(f"{what}: vLLM returned {count[bad]} logprob entries at position {bad}, expected {1 + k}")
+    idx = start[:, None] + np.arange(1 + k)
+    ids = np.asarray(flat.token_ids, dtype=np.int64)
+    # Python floats made from float32: the float64 -> float32 cast gives back the exact bits.
+    lps = np.asarray(flat.logprobs, dtype=np.float64).astype(np.float32)
+    ranks = np.asarray([r if r is not None else -1 for r in flat.ranks], dtype=np.int64)
+    if len(start) and not (ranks[idx[:, 1:]] == np.arange(1, 1 + k)).all():
+        raise RuntimeError(f"{what}: vLLM's top-{k} entries are not in rank order")
+    return {"token": ids[idx[:, 0]], "logprob": lps[idx[:, 0]], "ids": ids[idx[:, 1:]], "lps": lps[idx[:, 1:]]}
 
 
 def rows_from_output(out, prompt_id: str, prompt_len: int, topk: int, completion: bool) -> TokenRows:
-    """A vLLM RequestOutput -> the rows repaudit records: positions 1.. of the prompt (from
-    prompt_logprobs) and, with `completion`, every generated token (EOS included)."""
-    ptoks = list(out.prompt_token_ids)
+    """A vLLM RequestOutput (flat logprobs) -> the rows repaudit records: positions 1.. of the
+    prompt (from prompt_logprobs) and, with `completion`, every generated token (EOS included)."""
+    k = max(topk, 1)
+    ptoks = np.asarray(out.prompt_token_ids, dtype=np.int64)
     plps = out.prompt_logprobs
     if plps is None or len(plps) != len(ptoks):
         raise RuntimeError(f"{prompt_id}: vLLM returned {0 if plps is None else len(plps)} prompt logprobs for {len(ptoks)} tokens")
-    pos, tok, vals = [], [], []
-    for p in range(1, len(ptoks)):
-        pos.append(p)
-        tok.append(ptoks[p])
-        vals.append(_row(plps[p], ptoks[p], topk))
+    parts = [_flat(plps, slice(1, None), k, prompt_id)]
+    tokens = [ptoks[1:]]
     if completion:
         gen = out.outputs[0]
         if gen.logprobs is None or len(gen.logprobs) != len(gen.token_ids):
             raise RuntimeError(f"{prompt_id}: vLLM returned logprobs for {0 if gen.logprobs is None else len(gen.logprobs)} "
                                f"of {len(gen.token_ids)} generated tokens")
-        for i, t in enumerate(gen.token_ids):
-            pos.append(len(ptoks) + i)
-            tok.append(t)
-            vals.append(_row(gen.logprobs[i], t, topk))
-    n = len(pos)
-    k_ids = np.zeros((n, topk), np.int32)
-    k_lp = np.zeros((n, topk), np.float32)
-    for i, (_, _, ids, lps) in enumerate(vals):
-        if len(ids) < topk:
-            raise RuntimeError(f"{prompt_id}: vLLM returned {len(ids)} of the {topk} top logprobs asked for at pos {pos[i]}")
-        k_ids[i], k_lp[i] = ids, lps
-    return TokenRows(prompt_id=prompt_id, prompt_len=prompt_len, pos=np.asarray(pos, np.int32),
-                     token_id=np.asarray(tok, np.int32), logprob=np.asarray([v[0] for v in vals], np.float32),
-                     top1=np.asarray([v[1] for v in vals], np.int32), topk_ids=k_ids, topk_logprobs=k_lp, digest=None)
+        parts.append(_flat(gen.logprobs, slice(None), k, prompt_id))
+        tokens.append(np.asarray(gen.token_ids, dtype=np.int64))
+    cat = lambda key: np.concatenate([p[key] for p in parts])  # noqa: E731
+    token = np.concatenate(tokens)
+    if not (cat("token") == token).all():
+        raise RuntimeError(f"{prompt_id}: vLLM's logprob entries name other tokens than the sequence holds")
+    ids, lps = cat("ids"), cat("lps")
+    return TokenRows(prompt_id=prompt_id, prompt_len=prompt_len, pos=np.arange(1, len(token) + 1, dtype=np.int32),
+                     token_id=token.astype(np.int32), logprob=cat("logprob"), top1=ids[:, 0].astype(np.int32),
+                     topk_ids=ids[:, :topk].astype(np.int32), topk_logprobs=lps[:, :topk], digest=None)
+
+
+# ------------------------------------------------------------------ JSON form of vLLM's outputs
+# The fields rows_from_output reads, as JSON: a real run's outputs are saved in this form
+# (benchmarks/vllm_speed.py --fixture) so CI tests the conversion on them without vLLM. Logprobs
+# travel as Python floats: vLLM made them from float32, and repr() round-trips every double.
+
+
+def _flat_to_json(flat) -> dict[str, list]:
+    return {"start": list(flat.start_indices), "end": list(flat.end_indices), "token_ids": list(flat.token_ids),
+            "logprobs": list(flat.logprobs), "ranks": list(flat.ranks)}
+
+
+def output_to_json(out) -> dict[str, Any]:
+    gen = out.outputs[0]
+    return {"prompt_token_ids": list(out.prompt_token_ids), "prompt_logprobs": _flat_to_json(out.prompt_logprobs),
+            "token_ids": list(gen.token_ids), "logprobs": _flat_to_json(gen.logprobs)}
+
+
+def output_from_json(d: dict[str, Any]):
+    from types import SimpleNamespace as NS
+
+    class Flat(NS):  # len() is what rows_from_output checks against the token count
+        def __len__(self) -> int:
+            return len(self.start_indices)
+
+    as_flat = lambda f: Flat(start_indices=f["start"], end_indices=f["end"], token_ids=f["token_ids"],  # noqa: E731
+                             logprobs=f["logprobs"], ranks=f["ranks"])
+    gen = NS(token_ids=d["token_ids"], logprobs=as_flat(d["logprobs"]))
+    return NS(prompt_token_ids=d["prompt_token_ids"], prompt_logprobs=as_flat(d["prompt_logprobs"]), outputs=[gen])

@@ -7,6 +7,7 @@ divergence); the renderers only format.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -89,6 +90,55 @@ def ulp_histogram(r: DiffResult, a: RecordArrays, b: RecordArrays) -> UlpHistogr
         numeric = ~(u.nan_vs_number | payload)
         counts += np.bincount(ulp_bin(u.distance[numeric]), minlength=len(counts))[: len(counts)]
     return UlpHistogram(counts, nan_vs, nan_payload)
+
+
+# ------------------------------------------------------------------------------ RL log-ratio histogram
+
+
+RATIO_EDGES = 10.0 ** np.arange(-8, 2)  # |d| decades: below 1e-8, [1e-8, 1e-7), ..., [1, 10), 10 and above
+RATIO_CENTER = len(RATIO_EDGES) + 1  # the bin of d = 0; |d| of decade m sits m + 1 bins to its left or right
+
+
+@dataclass
+class LogRatioHistogram:
+    """The RL positions (comparable rows with finite logprobs, as in the diff) by d = logprob B - logprob A,
+    in signed decades of |d| (see RATIO_EDGES); the importance ratio is exp(d)."""
+
+    counts: np.ndarray  # int64, 2 * RATIO_CENTER + 1 bins, d ascending
+    clip: tuple[float, float]
+
+    @property
+    def total(self) -> int:
+        return int(self.counts.sum())
+
+
+def log_ratio_bin(d: np.ndarray) -> np.ndarray:
+    decade = np.searchsorted(RATIO_EDGES, np.abs(d), side="right")
+    return RATIO_CENTER + np.sign(d).astype(np.int64) * (decade + 1)
+
+
+def log_ratio_labels() -> list[str]:
+    names = ["<1e-8"] + [f"1e{k}" for k in range(-8, 1)] + ["≥10"]
+    return [f"−{x}" for x in reversed(names)] + ["0"] + [f"+{x}" for x in names]
+
+
+def log_ratio_position(v: float) -> float:
+    """Where d = v falls on the histogram's axis, in bins from its left edge (log-interpolated in a decade)."""
+    if v == 0:
+        return RATIO_CENTER + 0.5
+    decade = int(np.searchsorted(RATIO_EDGES, abs(v), side="right"))
+    within = 0.5 if decade in (0, len(RATIO_EDGES)) else math.log10(abs(v)) - math.log10(RATIO_EDGES[decade - 1])
+    return RATIO_CENTER + decade + 1 + within if v > 0 else RATIO_CENTER - decade - 1 + (1 - within)
+
+
+def log_ratio_histogram(r: DiffResult, a: RecordArrays, b: RecordArrays) -> LogRatioHistogram:
+    counts = np.zeros(2 * RATIO_CENTER + 1, dtype=np.int64)
+    for p in r.shared_prompts:
+        _, ba, bb = compared_rows(p, a, b)
+        va, vb = ba.view(np.float32).astype(np.float64), bb.view(np.float32).astype(np.float64)
+        finite = np.isfinite(va) & np.isfinite(vb)
+        counts += np.bincount(log_ratio_bin(vb[finite] - va[finite]), minlength=len(counts))
+    return LogRatioHistogram(counts, r.rl.clip)
 
 
 # ------------------------------------------------------------------------------ first divergences
@@ -198,6 +248,7 @@ class PairView:
     outcome: PairOutcome
     label: str  # short label of the cell (what differs from its reference)
     hist: UlpHistogram | None = None
+    ratio_hist: LogRatioHistogram | None = None
     divergences: list[PromptDivergence] = field(default_factory=list)
     max_pos: int = 0  # longest sequence position in either record
 
@@ -213,6 +264,7 @@ def analyse_pair(outcome: PairOutcome, label: str, cache: ArrayCache, text: Toke
         return view
     a, b = cache.get(outcome.path_a), cache.get(outcome.path_b)
     view.hist = ulp_histogram(r, a, b)
+    view.ratio_hist = log_ratio_histogram(r, a, b)
     view.divergences = divergences(r, a, b, text)
     view.max_pos = max(a.max_pos, b.max_pos)
     return view

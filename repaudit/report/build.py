@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from ..diff import DiffResult, Thresholds
-from ..fingerprint import COMPARED
+from ..fingerprint import COMPARED, settings
 from ..gate import GateResult, PairOutcome, RunInfo, gate_run, threshold_args
 from ..records import read_meta
 from .analysis import DIMENSIONS, MatrixView, PairView, analyse_pair, cell_matrix, short_labels
@@ -223,7 +223,8 @@ def env_table(cells: list[CellView]) -> tuple[dict[str, Any], list[str], dict[st
 
 
 def _flatten(env: dict[str, Any]) -> dict[str, Any]:
-    out = {k: v for k, v in env.items() if k != "vars"}
+    out = {k: v for k, v in env.items() if k not in ("vars", "ranks")}
+    out.update(settings(env))  # per-rank switches: one value, or the list by rank where ranks disagree
     for name, value in sorted((env.get("vars") or {}).items()):
         out[f"env {name}"] = value
     return out

@@ -8,11 +8,11 @@ from typing import Any, Iterable
 from .. import __version__
 from ..render import pct
 from . import svg
-from .analysis import MatrixView, PairView
+from .analysis import MatrixView, PairView, log_ratio_labels
 from .build import ReportData, env_table, value_text
 from .headline import tiles, verdict
-from .tables import (PAIR_HEADER, divergence_cells, failed_cells, hist_bins, hist_labels, hist_summary, pair_row, rate,
-                     secs, timing_rows, timing_totals)
+from .tables import (PAIR_HEADER, RL_HEADER, divergence_cells, failed_cells, hist_bins, hist_labels, hist_summary, pair_row,
+                     ratio_markers, ratio_summary, rate, rl_row, secs, timing_rows, timing_totals)
 
 DIVERGENCE_ROWS = 50  # per pair in the page; report.md and `repaudit diff --markdown` list them all
 
@@ -108,10 +108,11 @@ def _header(data: ReportData) -> str:
     tl = "".join(
         f'<div class="tile {t.tone}"><div class="label">{e(t.label)}</div><div class="value{" long" if len(t.value) > 14 else ""}">{e(t.value)}</div>'
         f'<div class="detail">{e(t.detail)}</div></div>' for t in tiles(data))
-    links = [("pairs", "cells vs reference"), ("matrix", "cell × cell"), ("ulp", "ULP histograms"), ("first", "first divergence"),
+    links = [("pairs", "cells vs reference"), ("matrix", "cell × cell"), ("ulp", "ULP histograms"), ("rl", "RL mismatch"),
+             ("first", "first divergence"),
              ("tokens", "divergent tokens"), ("speed", "speed"), ("env", "environment"), ("repro", "reproduce")]
     if data.locates:
-        links.insert(5, ("locate", "first divergent module"))
+        links.insert(6, ("locate", "first divergent module"))
     if data.kind != "run":
         links = [x for x in links if x[0] not in ("matrix", "speed")]
     nav = "<nav>" + "".join(f'<a href="#{k}">{e(v)}</a>' for k, v in links) + "</nav>"
@@ -221,6 +222,35 @@ def _histograms(data: ReportData) -> str:
         title = p.label if data.kind == "pair" else f"{p.label}  vs {_short_ref(data, p)}"
         charts.append(svg.histogram([int(c) for c in p.hist.counts[:nbins]], labels, title, hist_summary(p.hist), y_max, colours))
     return head + '<div class="plots">' + "".join(charts) + "</div>"
+
+
+def _rl(data: ReportData) -> str:
+    """The RL mismatch metrics of each pair, and its log-ratio d = logprob B - logprob A as a histogram."""
+    pairs = [p for p in data.pairs if p.result is not None]
+    head = ('<h2 id="rl">RL mismatch</h2><p class="lead">What an RL trainer logs between rollout (A, the reference) and '
+            "trainer (B), over positions where both hold the same token after the same context and finite logprobs: "
+            "d = logprob B − logprob A; KL estimators k1 = mean(−d), k2 = mean(d²/2), k3 = mean(exp(d) − 1 − d); the "
+            "importance ratio exp(d) and the share outside the clip bounds; the largest |Σd| over one sequence; top-1 "
+            "flips and record A's top-1 − top-2 margin where they flip. Exact floats; docs/metrics.md gives each "
+            "formula.</p>")
+    if not pairs:
+        return head + "<p class=\"lead\">No pair could be compared.</p>"
+    table = _table(RL_HEADER, [[_td(v, "id" if h == "pair" else "num") for h, v in rl_row(p).items()] for p in pairs])
+    with_hist = [p for p in pairs if p.ratio_hist is not None and p.ratio_hist.total]
+    if not with_hist:
+        return head + table
+    labels = log_ratio_labels()
+    y_max = max(int(p.ratio_hist.counts.max()) for p in with_hist)
+    colours = [svg.EQUAL if lab == "0" else "#3b82f6" for lab in labels]
+    charts = []
+    for p in with_hist:
+        title = p.label if data.kind == "pair" else f"{p.label}  vs {_short_ref(data, p)}"
+        charts.append(svg.histogram([int(c) for c in p.ratio_hist.counts], labels, f"log-ratio d: {title}",
+                                    ratio_summary(p.ratio_hist), y_max, colours, width=520, unit="(decade of d)",
+                                    markers=ratio_markers(p.ratio_hist)))
+    note = ('<p class="lead">Positions by d in signed decades of |d| (the ratio is exp(d); 0 = bitwise-equal logprobs, '
+            "ratio exactly 1). Dashed lines: the clip bounds log LO and log HI. Count axis is logarithmic.</p>")
+    return head + table + note + '<div class="plots">' + "".join(charts) + "</div>"
 
 
 def _short_ref(data: ReportData, p: PairView) -> str:
@@ -397,7 +427,7 @@ def _notes(data: ReportData) -> str:
 
 
 def render_html(data: ReportData) -> str:
-    sections = [_header(data), _notes(data), _pairs(data), _matrices(data), _histograms(data), _strip(data),
+    sections = [_header(data), _notes(data), _pairs(data), _matrices(data), _histograms(data), _rl(data), _strip(data),
                 _divergences(data), _locate(data), _speed(data), _environment(data), _commands(data)]
     return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
             "<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">"

@@ -7,8 +7,9 @@ from typing import Any
 from ..render import pct
 from .build import ReportData, env_table, value_text
 from .headline import tiles, verdict
-from .tables import (PAIR_HEADER, divergence_cells, failed_cells, hist_bins, hist_labels, hist_summary, pair_row, rate,
-                     secs, timing_rows, timing_totals)
+from .analysis import log_ratio_labels
+from .tables import (PAIR_HEADER, RL_HEADER, divergence_cells, failed_cells, hist_bins, hist_labels, hist_summary, pair_row,
+                     ratio_summary, rate, rl_row, secs, timing_rows, timing_totals)
 
 
 def cell(x: Any) -> str:
@@ -95,6 +96,15 @@ def render_markdown(data: ReportData) -> str:
 
     pairs = [p for p in data.pairs if p.result is not None]
     if pairs:
+        parts += ["## RL mismatch", "", "Rollout A against trainer B over positions with the same token, context and finite "
+                  "logprobs; d = logprob B − logprob A, importance ratio exp(d) (docs/metrics.md has the formulas).", ""]
+        parts += [table(RL_HEADER, [[cell(v) for v in rl_row(p).values()] for p in pairs]), ""]
+        with_hist = [p for p in pairs if p.ratio_hist is not None]
+        if with_hist:
+            parts += ["Positions per signed decade of d (0: bitwise-equal logprobs, ratio exactly 1).", ""]
+            parts += [table(["pair"] + log_ratio_labels(), [[cell(p.label)] + [str(int(c)) for c in p.ratio_hist.counts] for p in with_hist]), ""]
+            parts += [f"- {cell(p.label)}: {cell(ratio_summary(p.ratio_hist))}" for p in with_hist] + [""]
+
         parts += ["## Where sequences first diverge", ""]
         rows = []
         for p in pairs:

@@ -119,8 +119,10 @@ def heatmap(labels: Sequence[str], cell: Callable[[int, int], Cell | None], titl
 
 
 def histogram(counts: Sequence[int], labels: Sequence[str], title: str, subtitle: str, y_max: int,
-              colours: Sequence[str], width: float = 300, height: float = 190) -> str:
-    """Bars on a log10 count axis (0 draws no bar); exact counts on hover and above the bars that fit."""
+              colours: Sequence[str], width: float = 300, height: float = 190, unit: str = "ULP",
+              markers: Sequence[tuple[float, str]] = ()) -> str:
+    """Bars on a log10 count axis (0 draws no bar); exact counts on hover and above the bars that fit.
+    markers: (position in bars from the left edge, label) drawn as dashed vertical lines."""
     n = len(counts)
     left, right, top, bottom = 40, 8, 40, 40
     pw, ph = width - left - right, height - top - bottom
@@ -136,7 +138,7 @@ def histogram(counts: Sequence[int], labels: Sequence[str], title: str, subtitle
         if c > 0:
             h = max(2.0, ph * math.log10(c) / decades) if c > 1 else 2.0
             parts.append(f'<rect x="{x + 1.5:.1f}" y="{top + ph - h:.1f}" width="{max(1.0, bw - 3):.1f}" height="{h:.1f}" '
-                         f'fill="{colours[i]}"><title>{escape(f"{lab} ULP: {c} rows")}</title></rect>')
+                         f'fill="{colours[i]}"><title>{escape(f"{lab} {unit}: {c} rows")}</title></rect>')
             s = str(c)
             if _char_w(8.5) * len(s) <= bw + 2:
                 parts.append(_text(x + bw / 2, top + ph - h - 3, s, "middle", size=8.5, fill=INK))
@@ -144,6 +146,11 @@ def histogram(counts: Sequence[int], labels: Sequence[str], title: str, subtitle
             parts.append(_text(0, 0, lab, "end", size=9, fill=MUTED,
                                extra=f' transform="translate({x + bw / 2 + 3:.1f},{top + ph + 10:.1f}) rotate(-35)"'))
     parts.append(f'<line x1="{left}" x2="{left + pw:.1f}" y1="{top + ph:.1f}" y2="{top + ph:.1f}" stroke="{MUTED}"/>')
+    for at, lab in markers:
+        x = left + at * bw
+        parts.append(f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{top - 4}" y2="{top + ph:.1f}" stroke="#b91c1c" '
+                     f'stroke-dasharray="4 3"><title>{escape(lab)}</title></line>')
+        parts.append(_text(x + 3, top + 8, lab, size=9, fill="#b91c1c"))
     return _svg(width, height, "".join(parts), title, "plot histogram")
 
 

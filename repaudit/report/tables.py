@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
-from ..render import num, pct
-from .analysis import PairView, PromptDivergence, UlpHistogram, bin_label
+from ..diff import DiffResult
+from ..render import held, num, one_sided, pct
+from .analysis import (RATIO_CENTER, LogRatioHistogram, PairView, PromptDivergence, UlpHistogram, bin_label,
+                       log_ratio_position)
 from .build import CellView, ReportData
 
 
@@ -26,7 +29,8 @@ def reference_delta(data: ReportData, cell_id: str, ref_id: str) -> str:
 
 
 PAIR_HEADER = ["cell", "vs reference", "verdict", "bitwise-equal", "equal row digests", "ULP max / p99 / mean",
-               "max |Δ logprob|", "max |Δ prob|", "top-1 agreement", "sequences forked", "first divergence"]
+               "max |Δ logprob|", "max |Δ prob|", "top-1 agreement", "equal top-k ids / logprobs", "sequences forked",
+               "first divergence"]
 
 
 def pair_row(data: ReportData, p: PairView) -> dict[str, str]:
@@ -40,15 +44,56 @@ def pair_row(data: ReportData, p: PairView) -> dict[str, str]:
     row.update({
         "verdict": ("IDENTICAL" if r.identical else "pass") if r.passed else "FAIL",
         "bitwise-equal": ratio(r.bitwise_equal, r.comparable),
-        "equal row digests": ratio(r.digest_equal, r.digest_compared) if r.digest_compared else "n/a",
+        "equal row digests": held(r.digest_equal, r.digest_compared, r.digest_only_a, r.digest_only_b, "n/a"),
         "ULP max / p99 / mean": f"{r.ulp_max} / {r.ulp_p99} / {r.ulp_mean:.6g}",
         "max |Δ logprob|": num(r.abs_max),
         "max |Δ prob|": num(r.prob_max),
-        "top-1 agreement": ratio(r.top1_equal, r.top1_compared) if r.top1_compared else "n/a",
+        "top-1 agreement": held(r.top1_equal, r.top1_compared, r.top1_only_a, r.top1_only_b, "n/a"),
+        "equal top-k ids / logprobs": _topk_cell(r),
         "sequences forked": f"{sum(not x.token_match for x in shared)}/{len(shared)}",
         "first divergence": "—" if first is None else f"pos {first} ({len(p.divergences)}/{len(shared)} prompts)",
     })
     return row
+
+
+def _topk_cell(r: DiffResult) -> str:
+    """Equal ids k/n (rate) / equal logprob bits rate, and where only one side holds a top-k list."""
+    if not r.topk_compared:
+        return held(0, 0, r.topk_only_a, r.topk_only_b, "n/a")
+    one_side = one_sided(r.topk_only_a, r.topk_only_b)
+    return (f"{ratio(r.topk_ids_equal, r.topk_compared)} / {pct(r.topk_logprobs_equal, r.topk_compared)}"
+            + (f"; {one_side}" if one_side else ""))
+
+
+RL_HEADER = ["pair", "positions", "KL k1", "KL k2", "KL k3", "ratio min", "ratio p50", "ratio p99", "ratio max",
+             "outside clip", "|d| mean", "|d| max", "max |Σd| of a sequence", "top-1 flips", "flip margin p50"]
+
+
+def rl_row(p: PairView) -> dict[str, str]:
+    """The RL metrics of a pair (d = logprob B - logprob A; exact floats, "—" where undefined)."""
+    m = p.result.rl
+    show = lambda x: "—" if x is None else num(x)  # noqa: E731
+    return {
+        "pair": p.label, "positions": str(m.positions) + (f" (+{m.nonfinite} non-finite left out)" if m.nonfinite else ""),
+        "KL k1": show(m.kl_k1), "KL k2": show(m.kl_k2), "KL k3": show(m.kl_k3),
+        "ratio min": show(m.ratio_min), "ratio p50": show(m.ratio_p50), "ratio p99": show(m.ratio_p99),
+        "ratio max": show(m.ratio_max), "outside clip": f"{show(m.clip_frac)} of [{num(m.clip[0])}, {num(m.clip[1])}]",
+        "|d| mean": show(m.abs_diff_mean), "|d| max": show(m.abs_diff_max), "max |Σd| of a sequence": show(m.seq_log_ratio_max),
+        "top-1 flips": f"{m.flips}/{m.flip_positions} ({pct(m.flips, m.flip_positions)})" if m.flip_positions else "n/a",
+        "flip margin p50": show(m.flip_margin_p50),
+    }
+
+
+def ratio_markers(h: LogRatioHistogram) -> list[tuple[float, str]]:
+    """The clip bounds on the log-ratio axis: d = log(LO) and log(HI), where they are finite."""
+    lo, hi = h.clip
+    out = [(log_ratio_position(math.log(lo)), f"log {num(lo)}")] if lo > 0 else []
+    return out + ([(log_ratio_position(math.log(hi)), f"log {num(hi)}")] if math.isfinite(hi) else [])
+
+
+def ratio_summary(h: LogRatioHistogram) -> str:
+    zero = int(h.counts[RATIO_CENTER])
+    return f"{zero}/{h.total} at d = 0 (ratio exactly 1, {pct(zero, h.total)})"
 
 
 def hist_bins(pairs: list[PairView]) -> int:

@@ -1,0 +1,171 @@
+"""repaudit's transformers engine against the same model run plainly by transformers, side by
+side in one process: same loaded model, same kernel mode, same prompts, same batches.
+
+- score: repaudit's hf.score (capture on: logprob, top-k, top-1, row digest, rows on the host)
+  against a plain forward `model(input_ids, attention_mask).logits`.
+- generate: repaudit's hf.generate against `model.generate` (greedy, the same number of new
+  tokens, the same cache implementation as the engine's decode loop).
+
+Runs alternate (baseline, repaudit) per batch size, median of --runs. TP>1 runs under torchrun:
+
+    python3 benchmarks/engine_speed.py --model builtin:qwen3-0.6b --json reports/perf/engine_speed.json
+    torchrun --nproc-per-node 2 benchmarks/engine_speed.py --tp 2 --json reports/perf/engine_speed.json
+
+--profile DIR writes a torch.profiler table per (mode, kernels) at the middle batch size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "kernels")]
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+
+def _prompts(model_id: str, n: int, new: int):
+    from repaudit.probes import load_suite
+    from repaudit.run import load_tokenizer, resolve_model, tokenize
+
+    ref = resolve_model(model_id)
+    tok = load_tokenizer(ref, False)
+    specs = tokenize(load_suite("default"), tok, new, None)[:n]
+    return ref, tok, specs
+
+
+def _sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _plain_score(model, batch, pad_id):
+    lens = [len(s.prompt) for s in batch]
+    T = max(lens)
+    ids = torch.full((len(batch), T), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, s in enumerate(batch):
+        ids[b, : lens[b]] = torch.tensor(s.prompt)
+        mask[b, : lens[b]] = 1
+    dev = next(model.parameters()).device
+    with torch.inference_mode():
+        model(input_ids=ids.to(dev), attention_mask=mask.to(dev)).logits
+    return sum(lens)
+
+
+def _plain_generate(model, batch, pad_id, new, cache):
+    lens = [len(s.prompt) for s in batch]
+    T = max(lens)
+    ids = torch.full((len(batch), T), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, s in enumerate(batch):
+        ids[b, T - lens[b]:] = torch.tensor(s.prompt)
+        mask[b, T - lens[b]:] = 1
+    dev = next(model.parameters()).device
+    with torch.inference_mode():
+        out = model.generate(input_ids=ids.to(dev), attention_mask=mask.to(dev), max_new_tokens=new, min_new_tokens=new,
+                             do_sample=False, pad_token_id=pad_id, eos_token_id=None, cache_implementation=cache)
+    return (out.shape[1] - T) * len(batch)
+
+
+def _timed(fn):
+    _sync()
+    t0 = time.perf_counter()
+    n = fn()
+    _sync()
+    return time.perf_counter() - t0, n
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="builtin:qwen3-0.6b")
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--kernels", default="stock,bi,tbik")
+    ap.add_argument("--batch", default="1,8,32")
+    ap.add_argument("--mode", default="score,generate")
+    ap.add_argument("--prompts", type=int, default=32)
+    ap.add_argument("--new", type=int, default=16)
+    ap.add_argument("--topk", type=int, default=5)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--json")
+    ap.add_argument("--profile")
+    args = ap.parse_args()
+
+    from repaudit.engines import hf
+    from repaudit.engines.base import Sequence
+    from repaudit.kernelmodes import kernel_mode
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group("nccl")
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    ref, tok, specs = _prompts(args.model, args.prompts, args.new)
+    hfm = hf.load(str(ref.path), dtype="bfloat16", device="cuda", tp=args.tp, eos_id=None, pad_id=tok.pad_token_id)
+    seqs = {"generate": [Sequence(p.id, tuple(p.tokens), None, args.new) for p in specs]}
+    # Score the prompt plus a fixed completion of `new` tokens (what a reference generation gives).
+    seqs["score"] = [Sequence(p.id, tuple(p.tokens), tuple(p.tokens[:args.new]), 0) for p in specs]
+    batches = [int(b) for b in args.batch.split(",")]
+    device = torch.cuda.get_device_name()
+    rows = []
+    for kernels in args.kernels.split(","):
+        with kernel_mode(hfm, kernels):
+            for mode in args.mode.split(","):
+                for bs in batches:
+                    chunks = [seqs[mode][i:i + bs] for i in range(0, len(seqs[mode]), bs)]
+                    if mode == "score":
+                        base = lambda: sum(_plain_score(hfm.model, c, hfm.pad_id) for c in chunks)  # noqa: E731
+                        mine = lambda: sum(sum(len(r.pos) + 1 for r in hf.score(hfm, c, args.topk)[0]) for c in chunks)  # noqa: E731
+                    else:
+                        base = lambda: sum(_plain_generate(hfm.model, c, hfm.pad_id, args.new, hf.CACHE_IMPLEMENTATION)  # noqa: E731
+                                           for c in chunks)
+                        mine = lambda: sum(sum(int((r.pos >= r.prompt_len).sum()) for r in hf.generate(hfm, c, args.topk)[0])  # noqa: E731
+                                           for c in chunks)
+                    _timed(base), _timed(mine)  # warm-up: kernels' autotuning, allocator, graph capture
+                    b_runs, m_runs = [], []
+                    for _ in range(args.runs):
+                        b_runs.append(_timed(base))
+                        m_runs.append(_timed(mine))
+                    tok_s = lambda runs: statistics.median(n / s for s, n in runs)  # noqa: E731
+                    row = {"device": device, "engine": "hf", "kernels": kernels, "mode": mode, "tp": args.tp, "batch": bs,
+                           "repaudit_tok_s": tok_s(m_runs), "baseline_tok_s": tok_s(b_runs)}
+                    row["ratio"] = row["repaudit_tok_s"] / row["baseline_tok_s"]
+                    row["command"] = " ".join(["benchmarks/engine_speed.py", *sys.argv[1:]])
+                    rows.append(row)
+                    if rank == 0:
+                        print(json.dumps(row), flush=True)
+                    if args.profile and bs == batches[len(batches) // 2]:  # every rank: the forwards are collectives
+                        _profile(args.profile if rank == 0 else None, f"{mode}-{kernels}-tp{args.tp}-bs{bs}", base, mine)
+    if rank == 0 and args.json:
+        path = Path(args.json)
+        old = json.loads(path.read_text()) if path.exists() else []
+        keep = [r for r in old if not (r.get("device") == device and r.get("tp") == args.tp)]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(keep + rows, indent=1))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _profile(out_dir: str | None, name: str, base, mine) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    for label, fn in (("baseline", base), ("repaudit", mine)):
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            _timed(fn)
+        if out_dir is None:
+            continue
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        with open(Path(out_dir) / f"{name}.txt", "a") as f:
+            f.write(f"== {label}\n")
+            f.write(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=60))
+            f.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=60))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,142 @@
+"""A vLLM cell against plain vLLM, side by side in one process: the same LLM object, the same
+prompts, the same engine settings. `plain` is what a user runs (LLM.generate, greedy, no
+logprobs); `cell` is repaudit's vLLM engine as `repaudit run` calls it (top-k logprobs of every
+generated and prompt token, converted into record rows). Runs alternate, median of --runs.
+
+One process per kernel mode (vLLM reads its switches at start-up), so the script starts itself
+once per mode with --one and gathers the rows:
+
+    python3 benchmarks/vllm_speed.py --model DIR --tp 1 --kernels stock,bi,tbik --json reports/perf/vllm_speed.json
+
+--fixture F also saves a few of the cell's real vLLM outputs in JSON with the rows repaudit made
+of them (tests/test_vllm_engine.py converts them again on CPU and compares bit for bit).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "kernels")]
+
+
+def _prompts(vocab: int, n: int, seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(10, vocab - 10, size=int(rng.integers(64, 513))).tolist() for _ in range(n)]
+
+
+def _device_name() -> str:
+    out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True)
+    names = out.stdout.strip().splitlines()
+    return f"{len(names)}x {names[0]}" if names else platform.node()
+
+
+def one(args) -> dict:
+    from repaudit.engines import vllm_engine
+
+    vllm_engine.scrub_launcher_env(os.environ)
+    os.environ.update(vllm_engine.process_env(args.kernels))
+    from transformers import AutoConfig
+    from vllm import SamplingParams
+
+    from repaudit.engines.base import Sequence
+
+    vocab = AutoConfig.from_pretrained(args.model).vocab_size
+    prompts = _prompts(vocab, args.prompts)
+    llm = vllm_engine.load(vllm_engine.engine_args(model_path=args.model, tp=args.tp, dtype="bfloat16",
+                                                   batch_size=args.prompts, max_len=512 + args.new + 1, topk=args.topk,
+                                                   extra=json.loads(args.vllm_args)))
+    seqs = [Sequence(f"p{i}", tuple(p), None, args.new) for i, p in enumerate(prompts)]
+    plain_params = SamplingParams(temperature=0.0, max_tokens=args.new, detokenize=False)
+    # Warm-up of both paths at full size: compilation, graph capture, allocator growth.
+    llm.generate([{"prompt_token_ids": p} for p in prompts], plain_params, use_tqdm=False)
+    vllm_engine.generate(llm, seqs, args.topk, eos_id=None)
+    plain, cell = [], []
+    for _ in range(args.runs):
+        t0 = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], plain_params, use_tqdm=False)
+        plain.append((time.perf_counter() - t0, sum(len(o.outputs[0].token_ids) for o in outs)))
+        t0 = time.perf_counter()
+        rows, _ = vllm_engine.generate(llm, seqs, args.topk, eos_id=None)
+        cell.append((time.perf_counter() - t0, sum(int((r.pos >= r.prompt_len).sum()) for r in rows)))
+    tok_s = lambda runs: statistics.median(n / s for s, n in runs)  # noqa: E731
+    row = {"device": _device_name(), "engine": "vllm", "kernels": args.kernels, "tp": args.tp, "prompts": args.prompts,
+           "new_tokens": args.new, "topk": args.topk, "plain_tok_s": tok_s(plain), "repaudit_tok_s": tok_s(cell),
+           "plain_runs_s": [s for s, _ in plain], "repaudit_runs_s": [s for s, _ in cell]}
+    row["ratio"] = row["repaudit_tok_s"] / row["plain_tok_s"]
+    if args.fixture:
+        _fixture(llm, prompts, args)
+    return row
+
+
+def _fixture(llm, prompts, args) -> None:
+    from repaudit.engines import vllm_engine
+    from repaudit.engines.base import Sequence
+
+    topk, cases = 3, []
+    for completion in (True, False):
+        seqs = [Sequence(f"p{i}", tuple(p[:9]), None, 4) for i, p in enumerate(prompts[:2])]
+        params = [vllm_engine._params(4 if completion else 1, topk, None, True)] * len(seqs)
+        outs = llm.generate([{"prompt_token_ids": list(s.prompt)} for s in seqs], params, use_tqdm=False)
+        for s, o in zip(seqs, outs):
+            r = vllm_engine.rows_from_output(o, s.prompt_id, len(s.prompt), topk, completion=completion)
+            cases.append({"prompt_id": s.prompt_id, "prompt_len": len(s.prompt), "topk": topk, "completion": completion,
+                          "output": vllm_engine.output_to_json(o),
+                          "rows": {"pos": r.pos.tolist(), "token_id": r.token_id.tolist(), "top1": r.top1.tolist(),
+                                   "logprob_bits": r.logprob.view(np.uint32).tolist(),
+                                   "topk_ids": r.topk_ids.tolist(),
+                                   "topk_logprob_bits": r.topk_logprobs.view(np.uint32).tolist()}})
+    import vllm
+
+    Path(args.fixture).write_text(json.dumps({"vllm": vllm.__version__, "kernels": args.kernels, "cases": cases}, indent=1))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--kernels", default="stock,bi,tbik")
+    ap.add_argument("--prompts", type=int, default=256)
+    ap.add_argument("--new", type=int, default=128)
+    ap.add_argument("--topk", type=int, default=5)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--vllm-args", default="{}", help="JSON object of extra engine arguments")
+    ap.add_argument("--json", help="append rows to this JSON file (a list)")
+    ap.add_argument("--fixture")
+    ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.one:
+        print("ROW " + json.dumps(one(args)), flush=True)
+        return
+    rows = []
+    for k in args.kernels.split(","):
+        cmd = [sys.executable, __file__, "--one", "--model", args.model, "--tp", str(args.tp), "--kernels", k,
+               "--prompts", str(args.prompts), "--new", str(args.new), "--topk", str(args.topk), "--runs", str(args.runs),
+               "--vllm-args", args.vllm_args] + (["--fixture", args.fixture] if args.fixture and k == "stock" else [])
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        found = [json.loads(line[4:]) for line in proc.stdout.splitlines() if line.startswith("ROW ")]
+        if not found:
+            print(f"== {k} failed (exit {proc.returncode})\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}", flush=True)
+            continue
+        row = found[0]
+        row["command"] = " ".join(["python3", "benchmarks/vllm_speed.py", *sys.argv[1:]])
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    if args.json and rows:
+        path = Path(args.json)
+        old = json.loads(path.read_text()) if path.exists() else []
+        path.write_text(json.dumps(old + rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
