@@ -1,6 +1,7 @@
 """Tracing overhead: engine time of one cell with and without `--trace`'s hooks.
 
     python benchmarks/trace_bench.py [--model builtin:tiny-qwen3] [--device cpu|cuda] [--probes smoke] [--batch-size 4]
+                                     [--json reports/perf/trace_overhead.json]
 
 Loads the model once (TP=1), runs score and generate over the suite untraced, traced,
 untraced, traced, and reports the median engine time of each. Target: traced <= 2x.
@@ -9,6 +10,8 @@ untraced, traced, and reports the median engine time of each. Target: traced <= 
 from __future__ import annotations
 
 import argparse
+import json
+import platform
 import statistics
 import sys
 import time
@@ -35,6 +38,7 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--json", help="merge the rows into this JSON list (rows of the same device and batch are replaced)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     path = builtin.ensure(args.model)
@@ -62,12 +66,23 @@ def main() -> None:
     print(f"| mode | untraced s | traced s | traced / untraced |  ({args.model}, {args.device}, "
           f"{args.probes}, batch {args.batch_size}, median of {args.repeats})")
     print("|---|---|---|---|")
+    device = torch.cuda.get_device_name() if args.device == "cuda" else f"CPU {platform.machine()}, 1 thread"
+    rows = []
     for mode in ("score", "generate"):
         cell(mode, False)  # warm-up (and, traced, the digest kernel's one compile)
         cell(mode, True)
         plain = statistics.median(cell(mode, False) for _ in range(args.repeats))
         traced = statistics.median(cell(mode, True) for _ in range(args.repeats))
         print(f"| {mode} | {plain:.3f} | {traced:.3f} | {traced / plain:.2f} |")
+        rows.append({"device": device, "model": args.model, "probes": args.probes, "mode": mode, "batch": args.batch_size,
+                     "untraced_s": plain, "traced_s": traced, "ratio": traced / plain,
+                     "command": " ".join(["python3 benchmarks/trace_bench.py", *sys.argv[1:]])})
+    if args.json:
+        path = Path(args.json)
+        old = json.loads(path.read_text()) if path.exists() else []
+        keep = [r for r in old if (r["device"], r["batch"], r["probes"]) != (device, args.batch_size, args.probes)]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(keep + rows, indent=1))
 
 
 if __name__ == "__main__":

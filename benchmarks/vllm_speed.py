@@ -35,10 +35,11 @@ def _prompts(vocab: int, n: int, seed: int = 0) -> list[list[int]]:
     return [rng.integers(10, vocab - 10, size=int(rng.integers(64, 513))).tolist() for _ in range(n)]
 
 
-def _device_name() -> str:
+def _device_name(tp: int) -> str:
+    """The GPUs the job uses: tp of them (vLLM takes the first tp visible ones)."""
     out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True)
     names = out.stdout.strip().splitlines()
-    return f"{len(names)}x {names[0]}" if names else platform.node()
+    return f"{tp}x {names[0]}" if names else platform.node()
 
 
 def one(args) -> dict:
@@ -70,7 +71,7 @@ def one(args) -> dict:
         rows, _ = vllm_engine.generate(llm, seqs, args.topk, eos_id=None)
         cell.append((time.perf_counter() - t0, sum(int((r.pos >= r.prompt_len).sum()) for r in rows)))
     tok_s = lambda runs: statistics.median(n / s for s, n in runs)  # noqa: E731
-    row = {"device": _device_name(), "engine": "vllm", "kernels": args.kernels, "tp": args.tp, "prompts": args.prompts,
+    row = {"device": _device_name(args.tp), "engine": "vllm", "kernels": args.kernels, "tp": args.tp, "prompts": args.prompts,
            "new_tokens": args.new, "topk": args.topk, "plain_tok_s": tok_s(plain), "repaudit_tok_s": tok_s(cell),
            "plain_runs_s": [s for s, _ in plain], "repaudit_runs_s": [s for s, _ in cell]}
     row["ratio"] = row["repaudit_tok_s"] / row["plain_tok_s"]

@@ -1,61 +1,28 @@
 """The Triton row digest (used on GPUs) gives the same bits as the torch and NumPy digests.
 
-Runs in Triton's CPU interpreter here; tests/test_tbik_gpu.py-style GPU runs use the same kernel.
+Runs in Triton's CPU interpreter, in a process of its own per case (see
+tests/interpreted/digest_kernel_cases.py for why); GPU runs use the same kernel.
 """
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
-os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
+import pytest
 
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-import torch  # noqa: E402
-from tbik import _interpret  # noqa: E402
-
-from repaudit.digest import numpy_row_digest, row_digest  # noqa: E402
-from repaudit.digest_kernel import digest_rows  # noqa: E402
-
-_interpret.apply()  # NumPy 2.4 vs the interpreter's loop bounds
+CASES = Path(__file__).parent / "interpreted" / "digest_kernel_cases.py"
+ROOT = Path(__file__).resolve().parents[1]
 
 
-def _rows(dtype, n=6, f=1500, seed=0):
-    x = torch.randn(n, f, generator=torch.Generator().manual_seed(seed)) * 3
-    x[0, :4] = torch.tensor([0.0, -0.0, float("inf"), float("nan")])
-    return x.to(dtype)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_kernel_digest_equals_torch_digest(dtype):
-    x = _rows(dtype)
-    got, _ = digest_rows(x)
-    assert torch.equal(got, row_digest(x))
-    if dtype == torch.float32:
-        assert np.array_equal(got.numpy().view(np.uint64), numpy_row_digest(x.numpy()))
-
-
-def test_kernel_reads_only_the_rows_asked_for_and_shard_offsets_add_up():
-    x = _rows(torch.bfloat16, n=9, f=1000)
-    rows = torch.tensor([7, 2, 2, 0])
-    got, _ = digest_rows(x, rows)
-    assert torch.equal(got, row_digest(x[rows]))
-    # two column shards digested with their offsets sum (mod 2^64) to the whole row's digest
-    left, _ = digest_rows(x[:, :600], rows, 0)
-    right, _ = digest_rows(x[:, 600:].contiguous(), rows, 600)
-    assert torch.equal(left + right, got)
-
-
-def test_kernel_samples_are_the_bits_of_the_picked_features():
-    x = _rows(torch.float32, n=5, f=300)
-    rows = torch.tensor([4, 1])
-    pick = torch.tensor([0, 3, 50, 299, 7, 8, 9, 10])
-    owned = torch.tensor([1, 1, 0, 1, 1, 1, 1, 1])
-    _, samples = digest_rows(x, rows, 0, pick, owned)
-    want = (x[rows][:, pick].view(torch.int32).to(torch.int64) & 0xFFFFFFFF) * owned
-    assert torch.equal(samples, want)
-
-
-def test_one_flipped_bit_changes_the_kernel_digest():
-    x = _rows(torch.float32, n=1, f=2049)
-    y = x.clone()
-    y.view(torch.int32)[0, 2048] ^= 1
-    assert digest_rows(x)[0].item() != digest_rows(y)[0].item()
+@pytest.mark.parametrize("case", [
+    "test_kernel_digest_equals_torch_digest",
+    "test_kernel_reads_only_the_rows_asked_for_and_shard_offsets_add_up",
+    "test_kernel_samples_are_the_bits_of_the_picked_features",
+    "test_one_flipped_bit_changes_the_kernel_digest",
+])
+def test_digest_kernel_under_the_interpreter(case):
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "kernels"), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, str(CASES), case], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]

@@ -1,0 +1,79 @@
+"""README's speed table, made from the measured rows in reports/perf/*.json.
+
+    python3 benchmarks/perf_table.py          # rewrite the table between the markers in README.md
+    python3 benchmarks/perf_table.py --check  # exit 1 if README's table is not what the JSON gives
+
+Each row names its device and the command that measured it; nothing here is typed by hand.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PERF = ROOT / "reports" / "perf"
+BEGIN, END = "<!-- perf-table:begin (benchmarks/perf_table.py) -->", "<!-- perf-table:end -->"
+
+
+def _load(name: str) -> list[dict]:
+    path = PERF / name
+    return json.loads(path.read_text()) if path.exists() else []
+
+
+def _tok(x: float) -> str:
+    return f"{x:,.0f}"
+
+
+def rows() -> list[list[str]]:
+    out = []
+    for r in _load("engine_speed.json"):
+        out.append([f"transformers engine / plain transformers, {r['mode']}, {r['kernels']}, TP={r['tp']}, batch {r['batch']}",
+                    "≥ 0.9x", f"{r['ratio']:.2f}x ({_tok(r['repaudit_tok_s'])} / {_tok(r['baseline_tok_s'])} tok/s)",
+                    r["device"], r["command"]])
+    for r in _load("vllm_speed.json"):
+        out.append([f"vLLM cell / plain `LLM.generate`, {r['kernels']}, TP={r['tp']}, {r['prompts']} prompts x {r['new_tokens']} new",
+                    "≥ 0.9x", f"{r['ratio']:.2f}x ({_tok(r['repaudit_tok_s'])} / {_tok(r['plain_tok_s'])} tok/s)",
+                    r["device"], r["command"]])
+    for r in _load("trace_overhead.json"):
+        out.append([f"`--trace` overhead, {r['mode']}, {r['model']}, `{r['probes']}` suite, batch {r['batch']}",
+                    "≤ 2x (CPU), ≤ 1.5x (GPU)", f"{r['ratio']:.2f}x ({r['traced_s']:.2f} s / {r['untraced_s']:.2f} s)",
+                    r["device"], r["command"]])
+    return out
+
+
+def table() -> str:
+    lines = ["| what | target | measured (repaudit / baseline) | device | command |", "|---|---|---|---|---|"]
+    lines += ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in rows()]
+    return "\n".join(lines)
+
+
+def readme_block(text: str) -> str:
+    if BEGIN not in text or END not in text:
+        raise SystemExit(f"README.md has no {BEGIN} ... {END} block")
+    return text[text.index(BEGIN) + len(BEGIN):text.index(END)].strip("\n")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--check", action="store_true")
+    args = ap.parse_args()
+    readme = ROOT / "README.md"
+    text = readme.read_text()
+    want = table()
+    if args.check:
+        if readme_block(text) != want:
+            print("README.md's speed table differs from reports/perf/*.json: run python3 benchmarks/perf_table.py",
+                  file=sys.stderr)
+            return 1
+        return 0
+    readme_block(text)
+    head, tail = text.split(BEGIN, 1)[0], text.split(END, 1)[1]
+    readme.write_text(f"{head}{BEGIN}\n{want}\n{END}{tail}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,67 @@
+"""The cases of tests/test_digest_kernel.py, run in a process of their own with Triton's CPU
+interpreter on from the start: TRITON_INTERPRET must be set before triton is first imported,
+and torch imports triton, so a pytest process that has imported torch cannot switch to it.
+
+    TRITON_INTERPRET=1 python tests/interpreted/digest_kernel_cases.py CASE
+"""
+
+import os
+import sys
+
+assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1 (tests/test_digest_kernel.py does)"
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from tbik import _interpret  # noqa: E402
+
+from repaudit.digest import numpy_row_digest, row_digest  # noqa: E402
+from repaudit.digest_kernel import digest_rows  # noqa: E402
+
+_interpret.apply()  # NumPy 2.4 vs the interpreter's loop bounds
+
+
+def _rows(dtype, n=6, f=1500, seed=0):
+    x = torch.randn(n, f, generator=torch.Generator().manual_seed(seed)) * 3
+    x[0, :4] = torch.tensor([0.0, -0.0, float("inf"), float("nan")])
+    return x.to(dtype)
+
+
+def test_kernel_digest_equals_torch_digest():
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        x = _rows(dtype)
+        got, _ = digest_rows(x)
+        assert torch.equal(got, row_digest(x))
+        if dtype == torch.float32:
+            assert np.array_equal(got.numpy().view(np.uint64), numpy_row_digest(x.numpy()))
+
+
+def test_kernel_reads_only_the_rows_asked_for_and_shard_offsets_add_up():
+    x = _rows(torch.bfloat16, n=9, f=1000)
+    rows = torch.tensor([7, 2, 2, 0])
+    got, _ = digest_rows(x, rows)
+    assert torch.equal(got, row_digest(x[rows]))
+    # two column shards digested with their offsets sum (mod 2^64) to the whole row's digest
+    left, _ = digest_rows(x[:, :600], rows, 0)
+    right, _ = digest_rows(x[:, 600:].contiguous(), rows, 600)
+    assert torch.equal(left + right, got)
+
+
+def test_kernel_samples_are_the_bits_of_the_picked_features():
+    x = _rows(torch.float32, n=5, f=300)
+    rows = torch.tensor([4, 1])
+    pick = torch.tensor([0, 3, 50, 299, 7, 8, 9, 10])
+    owned = torch.tensor([1, 1, 0, 1, 1, 1, 1, 1])
+    _, samples = digest_rows(x, rows, 0, pick, owned)
+    want = (x[rows][:, pick].view(torch.int32).to(torch.int64) & 0xFFFFFFFF) * owned
+    assert torch.equal(samples, want)
+
+
+def test_one_flipped_bit_changes_the_kernel_digest():
+    x = _rows(torch.float32, n=1, f=2049)
+    y = x.clone()
+    y.view(torch.int32)[0, 2048] ^= 1
+    assert digest_rows(x)[0].item() != digest_rows(y)[0].item()
+
+
+if __name__ == "__main__":
+    globals()[sys.argv[1]]()

@@ -1,0 +1,23 @@
+"""README's speed table is what reports/perf/*.json holds (benchmarks/perf_table.py made it)."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+spec = importlib.util.spec_from_file_location("perf_table", ROOT / "benchmarks" / "perf_table.py")
+perf_table = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(perf_table)
+
+
+def test_readme_speed_table_matches_the_measured_json():
+    assert perf_table.readme_block((ROOT / "README.md").read_text()) == perf_table.table()
+
+
+def test_every_measured_row_reaches_the_table_with_its_ratio_and_command():
+    rows = perf_table.rows()
+    files = [ROOT / "reports" / "perf" / name for name in ("engine_speed.json", "vllm_speed.json", "trace_overhead.json")]
+    measured = [r for f in files if f.exists() for r in json.loads(f.read_text())]
+    assert len(rows) == len(measured) > 0
+    for row, r in zip(rows, measured):
+        assert row[2].startswith(f"{r['ratio']:.2f}x") and row[3] == r["device"] and row[4] == r["command"]
