@@ -1,7 +1,7 @@
 """Run one launch group as a real distributed job and follow it to the end.
 
 Each attempt is `python -m torch.distributed.run ... -m repaudit.worker SPEC` in a new
-process session. The launcher tails the workers' events, enforces the per-cell timeout, and
+process session (a vLLM job: `python -m repaudit.worker SPEC` alone, see worker_command). The launcher tails the workers' events, enforces the per-cell timeout, and
 after any failure starts a new attempt with the cells that are left, so one bad cell never
 costs the others. A job is ended by its own process ids (the torchrun session and every
 worker pid the workers reported), never by name.
