@@ -87,7 +87,7 @@ def _fixture(llm, prompts, args) -> None:
     topk, cases = 3, []
     for completion in (True, False):
         seqs = [Sequence(f"p{i}", tuple(p[:9]), None, 4) for i, p in enumerate(prompts[:2])]
-        params = [vllm_engine._params(4 if completion else 1, topk, None, True)] * len(seqs)
+        params = [vllm_engine.sampling_params(4 if completion else 1, topk, None, True)] * len(seqs)
         outs = llm.generate([{"prompt_token_ids": list(s.prompt)} for s in seqs], params, use_tqdm=False)
         for s, o in zip(seqs, outs):
             r = vllm_engine.rows_from_output(o, s.prompt_id, len(s.prompt), topk, completion=completion)

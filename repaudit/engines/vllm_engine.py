@@ -102,7 +102,7 @@ def load(args: dict[str, Any]):
     return LLM(**args)
 
 
-def _params(max_tokens: int, topk: int, eos_id: int | None, prompt_logprobs: bool):
+def sampling_params(max_tokens: int, topk: int, eos_id: int | None, prompt_logprobs: bool):
     from vllm import SamplingParams
 
     # At least one logprob per row: the rank-1 entry is the row's top-1 token. Flat logprobs:
@@ -123,14 +123,14 @@ def _run(llm, token_lists: list[list[int]], params: list) -> tuple[list, float]:
 def score(llm, seqs: list[Sequence], topk: int, eos_id: int | None) -> tuple[list[TokenRows], Timing]:
     """Prompt logprobs over prompt + reference completion (one throwaway token generated)."""
     tokens = [list(s.prompt) + list(s.completion or ()) for s in seqs]
-    outs, seconds = _run(llm, tokens, [_params(1, topk, eos_id, True)] * len(seqs))
+    outs, seconds = _run(llm, tokens, [sampling_params(1, topk, eos_id, True)] * len(seqs))
     rows = [rows_from_output(o, s.prompt_id, len(s.prompt), topk, completion=False) for o, s in zip(outs, seqs)]
     return rows, Timing(prefill_s=seconds, prefill_tokens=sum(len(t) for t in tokens))
 
 
 def generate(llm, seqs: list[Sequence], topk: int, eos_id: int | None) -> tuple[list[TokenRows], Timing]:
     """Greedy decoding; the prompt's positions come from prompt logprobs of the same request."""
-    outs, seconds = _run(llm, [list(s.prompt) for s in seqs], [_params(s.max_new_tokens, topk, eos_id, True) for s in seqs])
+    outs, seconds = _run(llm, [list(s.prompt) for s in seqs], [sampling_params(s.max_new_tokens, topk, eos_id, True) for s in seqs])
     rows = [rows_from_output(o, s.prompt_id, len(s.prompt), topk, completion=True) for o, s in zip(outs, seqs)]
     # vLLM interleaves prefill and decode; its wall time is charged to the generated tokens.
     return rows, Timing(decode_s=seconds, decode_tokens=sum(len(o.outputs[0].token_ids) for o in outs))
