@@ -26,9 +26,11 @@ so every row is compared; in generate mode, comparison stops where greedy decodi
 from __future__ import annotations
 
 import math
+import mmap
 import operator
 import os
 import queue
+import sys
 import threading
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -472,7 +474,7 @@ def _refuse_rows(path: Path, dictionary: pa.Array, indices: np.ndarray, rank: np
     )
 
 
-def _batches(pf, fd: int, path: Path, batch_rows: int) -> Iterator[tuple[pa.RecordBatch, "_Lists", "_Lists", int]]:
+def _batches(pf, fd: int, path: Path, batch_rows: int, work: "_Work") -> Iterator[tuple[pa.RecordBatch, "_Lists", "_Lists", int]]:
     """(batch, its top-k ids, its top-k logprobs, where the batch starts in those lists), in batches of
     at most batch_rows rows, one row group at a time: a row group that fits in a batch is read whole, a
     larger one streamed in batches. (iter_batches over the whole file would hold far more of it in
@@ -480,7 +482,7 @@ def _batches(pf, fd: int, path: Path, batch_rows: int) -> Iterator[tuple[pa.Reco
     (10x faster than Arrow assembling list arrays), else by Arrow with the other columns."""
     meta = pf.metadata
     for i in range(meta.num_row_groups):
-        lists = _direct_topk(pf, fd, i)
+        lists = _direct_topk(pf, fd, i, work)
         columns = _FLAT_COLUMNS if lists else _COLUMNS
         if meta.row_group(i).num_rows <= batch_rows:
             batches = pf.read_row_group(i, columns=columns, use_threads=True).to_batches()
@@ -501,7 +503,6 @@ def _read_chunks(pf, path: Path, rank_of: dict[str, int], rows_per_prompt: np.nd
     """Batches of one record as _Chunks, validated: canonical order, known prompts, pos >= 0."""
     work = _Work()  # this thread's own
     with open(path, "rb") as file:  # for the top-k pages
-
         yield from _validated_chunks(pf, file.fileno(), path, rank_of, rows_per_prompt, batch_rows, work)
 
 
@@ -509,7 +510,7 @@ def _validated_chunks(pf, fd: int, path: Path, rank_of: dict[str, int], rows_per
                       batch_rows: int, work: "_Work") -> Iterator[_Chunk]:
     last = -1  # key of the previous batch's last row
     dictionary, lut, identity = None, None, False
-    for batch, topk_ids_lists, topk_lp_lists, start in _batches(pf, fd, path, batch_rows):
+    for batch, topk_ids_lists, topk_lp_lists, start in _batches(pf, fd, path, batch_rows, work):
         n = batch.num_rows
         if not n:
             continue
@@ -555,13 +556,22 @@ def _validated_chunks(pf, fd: int, path: Path, rank_of: dict[str, int], rows_per
 
 
 class _Lists:
-    """A list column's rows as numpy: offsets[i]:offsets[i + 1] are row i's entries in `values`; lengths
-    is their difference, except 0 for a null list (not recorded)."""
+    """A list column's rows as numpy: offsets[i]:offsets[i + 1] are row i's entries in `values`, and
+    lengths their difference, except 0 for a null list (not recorded). Lists all of one width w (what
+    build_table writes) may come as width=w with no offsets: row i is values[i * w:(i + 1) * w]."""
 
-    __slots__ = ("offsets", "lengths", "values")
+    __slots__ = ("values", "offsets", "lengths", "width")
 
-    def __init__(self, offsets: np.ndarray, lengths: np.ndarray, values: np.ndarray):
-        self.offsets, self.lengths, self.values = offsets, lengths, values
+    def __init__(self, values: np.ndarray, offsets: np.ndarray | None = None, lengths: np.ndarray | None = None,
+                 width: int | None = None):
+        self.values, self.offsets, self.lengths, self.width = values, offsets, lengths, width
+
+    def rows(self, start: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """(offsets, lengths) of rows start..start + n."""
+        if self.width is not None:
+            offsets = np.arange(start, start + n + 1, dtype=np.int64) * self.width
+            return offsets, np.full(n, self.width, np.int64)
+        return self.offsets[start : start + n + 1], self.lengths[start : start + n]
 
 
 def _arrow_lists(arr: pa.ListArray, path: Path) -> _Lists:
@@ -572,16 +582,20 @@ def _arrow_lists(arr: pa.ListArray, path: Path) -> _Lists:
     lengths = np.diff(offsets)
     if arr.null_count:
         lengths[~_validity(arr)] = 0
-    return _Lists(offsets, lengths, _values(arr.values, np.uint32))
+    return _Lists(_values(arr.values, np.uint32), offsets, lengths)
 
 
 def _topk(ids: _Lists, lps: _Lists, start: int, n: int, path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """Rows start..start + n of the top-k lists as (rows, w) arrays of ids and logprob bit patterns: views
     when every row holds w entries (what build_table writes), else zero-padded copies with each row's length."""
-    lengths, off_i, off_l = ids.lengths[start : start + n], ids.offsets[start : start + n + 1], lps.offsets[start : start + n + 1]
-    if len(lengths) != n or not np.array_equal(lengths, lps.lengths[start : start + n]):
-        raise InputError(f"{path}: corrupt data: topk_ids and topk_logprobs lists differ in length")
     vi, vl = ids.values.view(np.int32), lps.values.view(np.uint32)
+    w = ids.width
+    if w is not None and w == lps.width:  # known uniform from the levels: no per-row lengths to check
+        return vi[start * w : (start + n) * w].reshape(n, w), vl[start * w : (start + n) * w].reshape(n, w), None
+    off_i, lengths = ids.rows(start, n)
+    off_l, lengths_l = lps.rows(start, n)
+    if len(lengths) != n or not np.array_equal(lengths, lengths_l):
+        raise InputError(f"{path}: corrupt data: topk_ids and topk_logprobs lists differ in length")
     w = int(lengths.max()) if n else 0
     if (lengths == w).all():
         i0, l0 = int(off_i[0]), int(off_l[0])
@@ -591,6 +605,256 @@ def _topk(ids: _Lists, lps: _Lists, start: int, n: int, path: Path) -> tuple[np.
     out_i[held] = vi[(off_i[:-1, None] + np.arange(w))[held]]
     out_l[held] = vl[(off_l[:-1, None] + np.arange(w))[held]]
     return out_i, out_l, lengths.astype(np.int32)
+
+
+# ------------------------------------------------------------------------------------ top-k pages
+#
+# Arrow turns a list column's repetition and definition levels into list arrays at about 40 ns a row
+# (k = 5): ten times the cost of decompressing and copying the values, and most of the diff's time.
+# The top-k lists need far less: their values are PLAIN 4-byte patterns at the end of each data page,
+# and the levels only say where each row starts. So a row group's two top-k leaf columns are read
+# here, page by page, with numpy. Anything this reader does not expect (a dictionary page, another
+# encoding or codec, nullable lists, sizes that do not add up, a page it cannot parse) makes it give
+# the row group to Arrow, which then reads it (or refuses it) exactly as before: this is a faster
+# route to the same values, never a second opinion on a file.
+
+_CODECS = {"UNCOMPRESSED": None, "SNAPPY": "snappy", "GZIP": "gzip", "LZ4": "lz4_raw", "ZSTD": "zstd", "BROTLI": "brotli"}
+_DIRECT_MAX_BYTES = 256 << 20  # a row group's two top-k columns, decoded; larger ones Arrow streams in batches
+_DATA_PAGE, _DATA_PAGE_V2 = 0, 3  # Parquet PageType
+_PLAIN, _RLE = 0, 3  # Parquet Encoding
+
+
+class _NotDirect(Exception):
+    """The pages hold something _direct_lists does not read: Arrow reads the row group instead."""
+
+
+def _direct_topk(pf, fd: int, group: int, work: "_Work") -> tuple[_Lists, _Lists] | None:
+    """Row group `group`'s top-k ids and logprobs read from their pages, or None: Arrow reads them."""
+    meta = pf.metadata
+    rg = meta.row_group(group)
+    leaves = {meta.schema.column(j).path: j for j in range(meta.num_columns)}
+    try:
+        cols = [leaves[f"{name}.list.element"] for name in ("topk_ids", "topk_logprobs")]
+    except KeyError:
+        return None
+    if sum(rg.column(j).total_uncompressed_size for j in cols) > _DIRECT_MAX_BYTES:
+        return None
+    try:
+        return tuple(_direct_lists(fd, rg.column(j), meta.schema.column(j), rg.num_rows, work) for j in cols)
+    except (_NotDirect, LookupError, ValueError, TypeError, OSError, pa.ArrowException):  # what parsing odd bytes raises
+        return None
+
+
+def _direct_lists(fd: int, col, leaf, rows: int, work: "_Work") -> _Lists:
+    """One list<4-byte> leaf column chunk (a required list of optional items, PLAIN values, RLE levels)."""
+    if (col.physical_type not in ("INT32", "FLOAT") or col.has_dictionary_page or col.compression not in _CODECS
+            or leaf.max_definition_level != 2 or leaf.max_repetition_level != 1):
+        raise _NotDirect
+    codec = _CODECS[col.compression] and pa.Codec(_CODECS[col.compression])
+    raw = _mapped(fd, col.data_page_offset, col.total_compressed_size)
+    total = col.num_values  # levels: one per item, and one per empty list
+    rep, dfn = work.get("rep", np.uint8, total), work.get("def", np.uint8, total)
+    values = work.unshared(np.uint32, total)  # handed on: the chunks are views of it
+    at = done = stored = 0
+    while done < total:
+        header, at = _thrift_struct(raw, at)
+        size = header.get(3)  # compressed_page_size
+        page, at = raw[at : at + size], at + size
+        (rep_stream, def_stream), data, count = _page_parts(header, page, codec)
+        if len(page) != size or done + count > total:
+            raise _NotDirect
+        _hybrid(rep_stream, 1, count, rep[done : done + count])
+        every = _hybrid(def_stream, 2, count, dfn[done : done + count])  # the value of every level, if one
+        present = count if every == 2 else 0 if every is not None else int(np.count_nonzero(dfn[done : done + count] == 2))
+        if len(data) != 4 * present:
+            raise _NotDirect
+        values[stored : stored + present] = np.frombuffer(data, np.uint32)
+        done, stored = done + count, stored + present
+    if at != len(raw):
+        raise _NotDirect
+    return _level_lists(rep, dfn, values[:stored], rows)
+
+
+def _mapped(fd: int, start: int, size: int) -> memoryview:
+    """Bytes start..start + size of the file, mapped: no copy, and the kernel maps the page cache 16 pages
+    a fault, where a read into fresh memory faults on every page. Mapped per column chunk, so that the
+    process does not go on holding the whole file in its RSS: the mapping goes when the last view of it
+    does (not closed explicitly: a view still held by an exception's traceback would make close() fail)."""
+    base = start - start % mmap.ALLOCATIONGRANULARITY
+    mapped = mmap.mmap(fd, start + size - base, access=mmap.ACCESS_READ, offset=base)  # ValueError past the end
+    return memoryview(mapped)[start - base :]
+
+
+def _page_parts(header: dict, page: memoryview, codec) -> tuple[tuple[memoryview, memoryview], memoryview, int]:
+    """A data page's repetition and definition level streams, its PLAIN values, and its number of levels."""
+    kind, size = header.get(1), header.get(2)
+    if kind == _DATA_PAGE and 5 in header:
+        h = header[5]  # DataPageHeader: num_values, encoding, definition / repetition level encodings
+        if (h.get(2), h.get(3), h.get(4)) != (_PLAIN, _RLE, _RLE):
+            raise _NotDirect
+        body = _decompressed(page, codec, size)
+        rep_len = int.from_bytes(body[:4], "little")
+        def_at = 4 + rep_len
+        def_len = int.from_bytes(body[def_at : def_at + 4], "little")
+        rep, dfn, data = body[4:def_at], body[def_at + 4 : def_at + 4 + def_len], body[def_at + 4 + def_len :]
+        count = h[1]
+    elif kind == _DATA_PAGE_V2 and 8 in header:
+        h = header[8]  # DataPageHeaderV2: levels stored uncompressed before the (maybe compressed) values
+        if h.get(4) != _PLAIN or h.get(2):
+            raise _NotDirect
+        def_len, rep_len = h[5], h[6]
+        rep, dfn = page[:rep_len], page[rep_len : rep_len + def_len]
+        rest = page[rep_len + def_len :]
+        data = _decompressed(rest, codec if h.get(7, True) else None, size - rep_len - def_len)
+        count = h[1]
+    else:
+        raise _NotDirect
+    if len(rep) + len(dfn) > len(page) + size:
+        raise _NotDirect
+    return (rep, dfn), data, count
+
+
+def _decompressed(data: memoryview, codec, size: int) -> memoryview:
+    if codec is None:
+        if len(data) != size:
+            raise _NotDirect
+        return data
+    out = memoryview(codec.decompress(data, decompressed_size=size)).cast("B")  # Arrow's buffers are signed chars
+    if len(out) != size:
+        raise _NotDirect
+    return out
+
+
+def _level_lists(rep: np.ndarray, dfn: np.ndarray, values: np.ndarray, rows: int) -> _Lists:
+    """The rows from the levels: a row starts at repetition level 0; definition level 2 is an item, 0 an
+    empty list (1, a null item, Arrow's reading refuses)."""
+    total = len(rep)
+    if len(values) == total and rows and total % rows == 0:  # every level an item: one width for all?
+        width = total // rows  # then rows zeros (row starts) every width levels, and ones elsewhere
+        if np.count_nonzero(rep) == total - rows and not rep[::width].any():
+            return _Lists(values, width=width)
+    starts = np.flatnonzero(rep == 0)
+    if len(starts) != rows or (rows and starts[0] != 0):
+        raise _NotDirect
+    if len(values) == total:  # offsets are the row starts
+        offsets = np.append(starts, total)
+    else:
+        if (dfn == 1).any() or (dfn > 2).any():
+            raise _NotDirect
+        before = np.zeros(total + 1, np.int64)  # items before each level
+        np.cumsum(dfn == 2, out=before[1:])
+        offsets = before[np.append(starts, total)]
+    return _Lists(values, offsets, np.diff(offsets))
+
+
+def _hybrid(stream: memoryview, width: int, count: int, out: np.ndarray) -> int | None:
+    """Decode `count` levels of Parquet's RLE / bit-packed hybrid encoding into out; return their value
+    when one run holds them all, else None. Arrow writes runs of 504 bit-packed levels with the same
+    header, so a stretch of such runs is decoded at once."""
+    data = np.frombuffer(stream, np.uint8)
+    at = got = 0
+    every = None
+    while got < count:
+        start = at
+        header, at = _varint(stream, at)
+        if not header & 1:  # RLE: one value (one byte for widths up to 8) repeated header >> 1 times
+            take = min(header >> 1, count - got)
+            value = stream[at]
+            out[got : got + take] = value
+            every = value if take == count else None
+            at += 1
+            got += take
+            continue
+        head, block = at - start, at - start + (header >> 1) * width  # bit-packed: groups of 8 levels
+        runs = (len(stream) - start) // block
+        blocks = data[start : start + runs * block].reshape(runs, block)
+        same = (blocks[:, :head] == data[start:at]).all(axis=1)
+        runs = min(runs if same.all() else int(np.argmin(same)), -(-(count - got) // (8 * (header >> 1))))
+        if runs < 1:
+            raise _NotDirect
+        levels = _unpack(blocks[:runs, head:], width)
+        take = min(len(levels), count - got)
+        out[got : got + take] = levels[:take]
+        got += take
+        at = start + runs * block
+    if at > len(stream):
+        raise _NotDirect
+    return every
+
+
+def _unpack(packed: np.ndarray, width: int) -> np.ndarray:
+    """Bit-packed levels (little-endian bit order, `width` bits each) as uint8."""
+    bits = np.unpackbits(packed.reshape(-1), bitorder="little")
+    if width == 1:
+        return bits
+    bits = bits.reshape(-1, width)
+    return bits[:, 0] | (bits[:, 1] << 1)
+
+
+def _varint(buf: memoryview, at: int) -> tuple[int, int]:
+    out = shift = 0
+    while True:
+        byte = buf[at]
+        at += 1
+        out |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return out, at
+        shift += 7
+
+
+def _thrift_struct(buf: memoryview, at: int) -> tuple[dict, int]:
+    """A Thrift compact-protocol struct (a page header) as {field id: value}; nested structs as dicts,
+    integers as ints; binaries, doubles, lists and maps are skipped (None)."""
+    out: dict = {}
+    field_id = 0
+    while True:
+        head = buf[at]
+        at += 1
+        if head == 0:
+            return out, at
+        kind, delta = head & 0x0F, head >> 4
+        if delta:
+            field_id += delta
+        else:
+            raw, at = _varint(buf, at)
+            field_id = (raw >> 1) ^ -(raw & 1)
+        out[field_id], at = _thrift_value(buf, at, kind)
+
+
+def _thrift_value(buf: memoryview, at: int, kind: int) -> tuple[Any, int]:
+    if kind in (1, 2):  # booleans hold their value in the type
+        return kind == 1, at
+    if kind == 3:
+        return buf[at], at + 1
+    if kind in (4, 5, 6):  # zigzag varints
+        raw, at = _varint(buf, at)
+        return (raw >> 1) ^ -(raw & 1), at
+    if kind == 7:
+        return None, at + 8
+    if kind == 8:
+        size, at = _varint(buf, at)
+        return None, at + size
+    if kind in (9, 10):  # list, set
+        head = buf[at]
+        at += 1
+        size, item = head >> 4, head & 0x0F
+        if size == 15:
+            size, at = _varint(buf, at)
+        for _ in range(size):
+            at = at + 1 if item in (1, 2) else _thrift_value(buf, at, item)[1]
+        return None, at
+    if kind == 11:  # map
+        size, at = _varint(buf, at)
+        if size:
+            types = buf[at]
+            at += 1
+            for _ in range(size):
+                at = _thrift_value(buf, at, types >> 4)[1]
+                at = _thrift_value(buf, at, types & 0x0F)[1]
+        return None, at
+    if kind == 12:
+        return _thrift_struct(buf, at)
+    raise _NotDirect
 
 
 def _prefetched(chunks: Iterator[_Chunk], path: Path, depth: int = 2) -> Iterator[_Chunk]:
@@ -873,6 +1137,19 @@ class _Work:
 
     def __init__(self) -> None:
         self._arrays: dict[str, np.ndarray] = {}
+        self._handed: list[np.ndarray] = []  # see unshared
+
+    def unshared(self, dtype: Any, n: int) -> np.ndarray:
+        """An array of n items that may be handed on (chunks hold views of it), reused once nothing
+        refers to it any more: every numpy view holds a reference to the array that owns the memory,
+        so a reference count of 3 (this list, the loop variable, getrefcount's argument) means that no
+        view is left, and none can be made. As many are kept as were ever in use at once."""
+        for arr in self._handed:
+            if sys.getrefcount(arr) == 3 and arr.dtype == dtype and len(arr) >= n:
+                return arr[:n]
+        arr = np.empty(n + n // 4, dtype=dtype)  # room for a larger row group
+        self._handed.append(arr)
+        return arr[:n]
 
     def get(self, name: str, dtype: Any, n: int) -> np.ndarray:
         arr = self._arrays.get(name)
