@@ -5,10 +5,10 @@ Both records are in canonical order, so alignment is a streaming merge over the 
 what exact percentiles keep of the rows whose bits differ (ULP distances above 2**16, and the
 RL metrics' d: 8 bytes a row).
 
-Speed (10M rows in about half a second without top-k lists; Arrow decodes a top-k list column
-about 20 times slower than a flat one, which roughly triples that at k = 5): one thread per file
-reads its batches (Arrow decodes without the GIL) and validates them while the caller compares
-the previous ones. When both files cut their batches at the same rows, which is the usual case,
+Speed: one thread per file reads its batches (Arrow decodes without the GIL) and validates them
+while the caller compares the previous ones. Arrow assembles a list column about 10 times slower
+than it reads a flat one, so the top-k lists are read from their Parquet pages directly where their
+layout allows (`_direct_topk`; Arrow reads any other layout). When both files cut their batches at the same rows, which is the usual case,
 a batch pair is recognised as aligned per prompt run and compared column against column with no
 key at all. Only rows whose logprob bits differ go on to the ULP, |a - b|, probability and RL
 statistics. The hot path writes into reused work arrays (`_Work`), since fresh memory costs a
@@ -641,8 +641,8 @@ def _direct_topk(pf, fd: int, group: int, work: "_Work") -> tuple[_Lists, _Lists
         return None
     try:
         return tuple(_direct_lists(fd, rg.column(j), meta.schema.column(j), rg.num_rows, work) for j in cols)
-    except (_NotDirect, LookupError, ValueError, TypeError, OSError, pa.ArrowException):  # what parsing odd bytes raises
-        return None
+    except (_NotDirect, LookupError, ValueError, TypeError, RecursionError, OSError, pa.ArrowException):
+        return None  # what parsing odd bytes raises
 
 
 def _direct_lists(fd: int, col, leaf, rows: int, work: "_Work") -> _Lists:
@@ -658,13 +658,15 @@ def _direct_lists(fd: int, col, leaf, rows: int, work: "_Work") -> _Lists:
     at = done = stored = 0
     while done < total:
         header, at = _thrift_struct(raw, at)
-        size = header.get(3)  # compressed_page_size
+        size, unpacked = header.get(3, -1), header.get(2, -1)  # compressed and uncompressed page sizes
+        if not (0 <= size <= len(raw) - at and 0 <= unpacked <= col.total_uncompressed_size):
+            raise _NotDirect  # (a damaged size could ask for any amount of memory)
         page, at = raw[at : at + size], at + size
         (rep_stream, def_stream), data, count = _page_parts(header, page, codec)
-        if len(page) != size or done + count > total:
+        if not 0 < count <= total - done:
             raise _NotDirect
-        _hybrid(rep_stream, 1, count, rep[done : done + count])
-        every = _hybrid(def_stream, 2, count, dfn[done : done + count])  # the value of every level, if one
+        _levels(rep_stream, 1, count, rep[done : done + count], work)
+        every = _levels(def_stream, 2, count, dfn[done : done + count], work)  # the value of every level, if one
         present = count if every == 2 else 0 if every is not None else int(np.count_nonzero(dfn[done : done + count] == 2))
         if len(data) != 4 * present:
             raise _NotDirect
@@ -672,16 +674,17 @@ def _direct_lists(fd: int, col, leaf, rows: int, work: "_Work") -> _Lists:
         done, stored = done + count, stored + present
     if at != len(raw):
         raise _NotDirect
-    return _level_lists(rep, dfn, values[:stored], rows)
+    return _level_lists(rep, dfn, values[:stored], rows, work)
 
 
 def _mapped(fd: int, start: int, size: int) -> memoryview:
-    """Bytes start..start + size of the file, mapped: no copy, and the kernel maps the page cache 16 pages
-    a fault, where a read into fresh memory faults on every page. Mapped per column chunk, so that the
-    process does not go on holding the whole file in its RSS: the mapping goes when the last view of it
-    does (not closed explicitly: a view still held by an exception's traceback would make close() fail)."""
+    """Bytes start..start + size of the file, mapped: no copy, and no page fault per page as a read into
+    fresh memory would have. Mapped per column chunk, so that the process does not go on holding the
+    whole file in its RSS: the mapping goes when the last view of it does (not closed explicitly: a view
+    still held by an exception's traceback would make close() fail)."""
     base = start - start % mmap.ALLOCATIONGRANULARITY
-    mapped = mmap.mmap(fd, start + size - base, access=mmap.ACCESS_READ, offset=base)  # ValueError past the end
+    flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)  # Linux: map every page now, not fault by fault
+    mapped = mmap.mmap(fd, start + size - base, flags=flags, prot=mmap.PROT_READ, offset=base)  # ValueError past the end
     return memoryview(mapped)[start - base :]
 
 
@@ -696,20 +699,22 @@ def _page_parts(header: dict, page: memoryview, codec) -> tuple[tuple[memoryview
         rep_len = int.from_bytes(body[:4], "little")
         def_at = 4 + rep_len
         def_len = int.from_bytes(body[def_at : def_at + 4], "little")
+        if def_at + 4 + def_len > len(body):
+            raise _NotDirect
         rep, dfn, data = body[4:def_at], body[def_at + 4 : def_at + 4 + def_len], body[def_at + 4 + def_len :]
         count = h[1]
     elif kind == _DATA_PAGE_V2 and 8 in header:
         h = header[8]  # DataPageHeaderV2: levels stored uncompressed before the (maybe compressed) values
-        if h.get(4) != _PLAIN or h.get(2):
+        if h.get(4) != _PLAIN:  # (its num_nulls counts empty lists too: the definition levels tell)
             raise _NotDirect
         def_len, rep_len = h[5], h[6]
+        if not (0 <= rep_len and 0 <= def_len and rep_len + def_len <= min(len(page), size)):
+            raise _NotDirect
         rep, dfn = page[:rep_len], page[rep_len : rep_len + def_len]
         rest = page[rep_len + def_len :]
         data = _decompressed(rest, codec if h.get(7, True) else None, size - rep_len - def_len)
         count = h[1]
     else:
-        raise _NotDirect
-    if len(rep) + len(dfn) > len(page) + size:
         raise _NotDirect
     return (rep, dfn), data, count
 
@@ -725,13 +730,14 @@ def _decompressed(data: memoryview, codec, size: int) -> memoryview:
     return out
 
 
-def _level_lists(rep: np.ndarray, dfn: np.ndarray, values: np.ndarray, rows: int) -> _Lists:
+def _level_lists(rep: np.ndarray, dfn: np.ndarray, values: np.ndarray, rows: int, work: "_Work") -> _Lists:
     """The rows from the levels: a row starts at repetition level 0; definition level 2 is an item, 0 an
     empty list (1, a null item, Arrow's reading refuses)."""
     total = len(rep)
     if len(values) == total and rows and total % rows == 0:  # every level an item: one width for all?
-        width = total // rows  # then rows zeros (row starts) every width levels, and ones elsewhere
-        if np.count_nonzero(rep) == total - rows and not rep[::width].any():
+        width = total // rows  # then a row starts (level 0) every width levels
+        uniform = work.tiled(f"rep{width}", np.array([0] + [1] * (width - 1), np.uint8), total)
+        if pa.py_buffer(rep).equals(pa.py_buffer(uniform)):  # a memcmp
             return _Lists(values, width=width)
     starts = np.flatnonzero(rep == 0)
     if len(starts) != rows or (rows and starts[0] != 0):
@@ -745,6 +751,20 @@ def _level_lists(rep: np.ndarray, dfn: np.ndarray, values: np.ndarray, rows: int
         np.cumsum(dfn == 2, out=before[1:])
         offsets = before[np.append(starts, total)]
     return _Lists(values, offsets, np.diff(offsets))
+
+
+def _levels(stream: memoryview, width: int, count: int, out: np.ndarray, work: "_Work") -> int | None:
+    """_hybrid, remembering the last stream of each width: pages of lists of one length (k = 5: 20,000
+    rows a page as Arrow writes) hold the same level bytes page after page, and the same bytes are the
+    same levels."""
+    key = bytes(stream)
+    last = work.levels.get(width)
+    if last is not None and last[0] == count and last[1] == key:
+        out[:] = last[2]
+        return last[3]
+    every = _hybrid(stream, width, count, out)
+    work.levels[width] = (count, key, out.copy(), every)
+    return every
 
 
 def _hybrid(stream: memoryview, width: int, count: int, out: np.ndarray) -> int | None:
@@ -765,6 +785,8 @@ def _hybrid(stream: memoryview, width: int, count: int, out: np.ndarray) -> int 
             at += 1
             got += take
             continue
+        if header < 2:
+            raise _NotDirect  # a bit-packed run of no groups
         head, block = at - start, at - start + (header >> 1) * width  # bit-packed: groups of 8 levels
         runs = (len(stream) - start) // block
         blocks = data[start : start + runs * block].reshape(runs, block)
@@ -857,9 +879,11 @@ def _thrift_value(buf: memoryview, at: int, kind: int) -> tuple[Any, int]:
     raise _NotDirect
 
 
-def _prefetched(chunks: Iterator[_Chunk], path: Path, depth: int = 2) -> Iterator[_Chunk]:
+def _prefetched(chunks: Iterator[_Chunk], path: Path, depth: int = 4) -> Iterator[_Chunk]:
     """Decode and validate the next batches in a thread while the caller compares: Parquet
-    decoding and numpy both release the GIL, so the two files and the comparison share the cores."""
+    decoding and numpy both release the GIL, so the two files and the comparison share the cores.
+    The top-k lists of a row group (4 batches as written) are decoded at once: `depth` batches
+    queued keep the comparison going meanwhile."""
     q: queue.Queue = queue.Queue(maxsize=depth)
     stop = threading.Event()
 
@@ -1138,6 +1162,15 @@ class _Work:
     def __init__(self) -> None:
         self._arrays: dict[str, np.ndarray] = {}
         self._handed: list[np.ndarray] = []  # see unshared
+        self._tiled: dict[str, np.ndarray] = {}
+        self.levels: dict[int, tuple] = {}  # see _levels
+
+    def tiled(self, name: str, unit: np.ndarray, n: int) -> np.ndarray:
+        """`unit` repeated to n items (the same unit for the same name), kept for the next call."""
+        arr = self._tiled.get(name)
+        if arr is None or len(arr) < n:
+            arr = self._tiled[name] = np.tile(unit, -(-(n + n // 4) // len(unit)))
+        return arr[:n]
 
     def unshared(self, dtype: Any, n: int) -> np.ndarray:
         """An array of n items that may be handed on (chunks hold views of it), reused once nothing
@@ -1538,15 +1571,14 @@ def _rl_metrics(acc: _Acc, clip: tuple[float, float]) -> RLMetrics:
     # Sums the rows came in exactly, rounded once; the others in float64 over d in row order.
     out.kl_k1 = acc.rl_sum.scaled / (n << 149)
     out.abs_diff_mean = acc.abs_total.scaled / (n << 149)
-    out.kl_k2 = float(np.sum(np.square(d))) / (2 * n)
-    out.kl_k3 = float(np.sum(_exp_minus_1_minus(d))) / n
+    terms = np.square(d)  # the one temporary as large as d: fresh memory costs page faults
+    out.kl_k2 = float(np.sum(terms)) / (2 * n)
+    out.kl_k3 = float(np.sum(_exp_minus_1_minus(d, out=terms))) / n
     lo, p50, p99, hi = _nearest_ranks(d, zeros, [(0, 1), (1, 2), (99, 100), (1, 1)])
     with np.errstate(over="ignore"):
         out.ratio_min, out.ratio_p50, out.ratio_p99, out.ratio_max = (float(np.exp(x)) for x in (lo, p50, p99, hi))
-        ratio = np.exp(d)
     out.abs_diff_max = max(abs(lo), abs(hi))
-    outside = int(np.count_nonzero(ratio < clip[0])) + int(np.count_nonzero(ratio > clip[1]))
-    out.clip_frac = (outside + (0 if clip[0] <= 1.0 <= clip[1] else zeros)) / n
+    out.clip_frac = (_ratios_outside(d, clip) + (0 if clip[0] <= 1.0 <= clip[1] else zeros)) / n
     out.seq_log_ratio_max = _seq_log_ratio_max(d, acc.rl_prompts, acc.rl_counts)
     if acc.flip_positions:
         out.flip_rate = acc.flips / acc.flip_positions
@@ -1569,24 +1601,44 @@ def _nearest_ranks(d: np.ndarray, zeros: int, quantiles: list[tuple[int, int]]) 
     return [0.0 if i is None else float(picked[i]) for i in where]
 
 
-def _exp_minus_1_minus(d: np.ndarray) -> np.ndarray:
+# Element-wise work over d goes block by block, so that a block's intermediate values stay in the CPU
+# cache between passes; each element gets the same operations in the same order, so the same bits.
+_BLOCK = 1 << 15
+
+
+def _ratios_outside(d: np.ndarray, clip: tuple[float, float]) -> int:
+    """How many importance ratios exp(d) are below clip[0] or above clip[1]."""
+    ratio = np.empty(min(len(d), _BLOCK))
+    outside = 0
+    with np.errstate(over="ignore"):
+        for lo in range(0, len(d), _BLOCK):
+            r = np.exp(d[lo : lo + _BLOCK], out=ratio[: len(d[lo : lo + _BLOCK])])
+            outside += int(np.count_nonzero(r < clip[0])) + int(np.count_nonzero(r > clip[1]))
+    return outside
+
+
+def _exp_minus_1_minus(d: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """exp(d) - 1 - d (the k3 term) without cancellation: where |d| <= 1/4, its Taylor series
     d**2/2! + ... + d**J/J!, J as small as keeps the rest below 2**-56 of the sum (J = 5 for |d| up to
-    1e-5, as from bit noise); elsewhere expm1(d) - d (at most ~10 ulps off)."""
-    top = min(float(np.abs(d).max()), 0.25) if len(d) else 0.0
+    1e-5, as from bit noise); elsewhere expm1(d) - d (at most ~10 ulps off). Written into out if given."""
+    top = min(max(-float(d.min()), float(d.max())), 0.25) if len(d) else 0.0  # max |d|: d is finite
     terms = 2
     while 2 * top ** (terms - 1) / math.factorial(terms + 1) > 2.0**-56:
         terms += 1
-    out = np.full_like(d, 1 / math.factorial(terms))
-    with np.errstate(over="ignore", invalid="ignore"):  # the series is garbage where |d| > 1/4: replaced below
-        for j in range(terms - 1, 1, -1):
-            out *= d
-            out += 1 / math.factorial(j)
-        out *= d
-        out *= d
-    big = np.flatnonzero(np.abs(d) > 0.25)
-    with np.errstate(over="ignore"):
-        out[big] = np.expm1(d[big]) - d[big]
+    out = np.empty_like(d) if out is None else out
+    for lo in range(0, len(d), _BLOCK):
+        x, y = d[lo : lo + _BLOCK], out[lo : lo + _BLOCK]
+        y.fill(1 / math.factorial(terms))
+        with np.errstate(over="ignore", invalid="ignore"):  # the series is garbage where |d| > 1/4: replaced below
+            for j in range(terms - 1, 1, -1):
+                y *= x
+                y += 1 / math.factorial(j)
+            y *= x
+            y *= x
+        big = np.flatnonzero(np.abs(x) > 0.25)
+        if len(big):
+            with np.errstate(over="ignore"):
+                y[big] = np.expm1(x[big]) - x[big]
     return out
 
 
