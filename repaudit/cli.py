@@ -127,6 +127,8 @@ def run(
     timeout: float = typer.Option(3600.0, "--timeout", help="seconds a cell may run before its job is ended"),
     load_timeout: float = typer.Option(1800.0, "--load-timeout", help="seconds a model load may take"),
     cpu_threads: int = typer.Option(1, "--cpu-threads", help="intra-op threads per rank on CPU (fixed: thread count changes bits)"),
+    side_by_side: bool = typer.Option(True, "--side-by-side/--one-group-at-a-time",
+                                      help="on GPUs, run launch groups that fit on the node at the same time"),
     trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="allow model code from the Hub"),
     nnodes: int = typer.Option(1, "--nnodes", help="nodes in the job (same command on every node)"),
     node_rank: int = typer.Option(0, "--node-rank", help="this node's rank"),
@@ -158,7 +160,7 @@ def run(
     )
     opts = RunOptions(
         out=out, cell_timeout=timeout, load_timeout=load_timeout, cpu_threads=cpu_threads,
-        trust_remote_code=trust_remote_code, gate=gate, argv=["repaudit"] + _sys.argv[1:],
+        trust_remote_code=trust_remote_code, gate=gate, argv=["repaudit"] + _sys.argv[1:], side_by_side=side_by_side,
         rdzv=Rendezvous(nnodes=nnodes, node_rank=node_rank, endpoint=rdzv_endpoint),
         thresholds=Thresholds(max_ulp=max_ulp, max_abs=max_abs),
     )

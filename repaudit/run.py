@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import signal
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +33,7 @@ from .plan import Cell, Matrix, ModelShape, Plan, expand, validate_against_model
 from .probes import Suite, load_suite
 from .records import RecordMeta, read_meta
 from .rundir import Manifest, RunLock, remove_partial_files
+from .schedule import run_side_by_side, visible_gpus
 
 DEFAULT_MAX_NEW_TOKENS = 32
 
@@ -47,6 +49,7 @@ class RunOptions:
     gate: bool = False
     thresholds: Thresholds = field(default_factory=Thresholds)
     argv: list[str] = field(default_factory=list)
+    side_by_side: bool = True  # launch groups that fit on the node's GPUs at the same time
 
 
 @dataclass
@@ -163,7 +166,9 @@ def model_shape(ref: ModelRef, trust_remote_code: bool) -> tuple[ModelShape, int
 # ------------------------------------------------------------------------------ the run
 
 
-def cell_settings(cell: Cell, plan: Plan, ref: ModelRef, suite: Suite) -> dict[str, Any]:
+def cell_settings(cell: Cell, plan: Plan, ref: ModelRef, suite: Suite, reference: Cell | None = None) -> dict[str, Any]:
+    """What makes a cell's record what it is; a record on disk is reused only with the same.
+    A score cell scores `reference`'s greedy tokens, so that cell is one of its settings."""
     m = plan.matrix
     return {
         "id": cell.id, "engine": cell.engine, "tp": cell.tp, "batch_size": cell.batch_size, "nccl": cell.nccl,
@@ -171,6 +176,7 @@ def cell_settings(cell: Cell, plan: Plan, ref: ModelRef, suite: Suite) -> dict[s
         "dtype": m.dtype, "device": m.device, "probes": suite.name, "probes_sha256": suite.sha256, "topk": m.topk,
         "max_new_tokens": m.max_new_tokens, **({"trace": True} if m.trace else {}),
         **({"vllm_args": m.vllm_args} if cell.engine == "vllm" and m.vllm_args else {}),
+        **({"scores_tokens_of": reference.id} if reference is not None and cell.mode == "score" else {}),
     }
 
 
@@ -295,7 +301,7 @@ def run(matrix: Matrix, opts: RunOptions, console: Console | None = None) -> int
     if inplace:
         _check_inplace(plan)
     leader = opts.rdzv.node_rank == 0 and int(os.environ.get("RANK", "0")) == 0
-    settings = {c.id: cell_settings(c, plan, ref, suite) for c in plan.cells}
+    settings = {c.id: cell_settings(c, plan, ref, suite, reference_cell) for c in plan.cells}
     with RunLock(run_dir) if leader else contextlib.nullcontext() as lock:
         if leader:
             remove_partial_files(run_dir)
@@ -401,7 +407,14 @@ def _run_groups(plan, opts, run_dir, manifest, settings, already, prompts, ref, 
         cells_task = progress.add_task("cells", total=todo_total)
         tokens_task = progress.add_task("tokens", total=1, visible=False)
 
+        lock = threading.Lock()  # groups side by side report from their own threads
+        settled: set[str] = set()  # cells with an outcome in this run
+
         def on_event(ev: dict) -> None:
+            with lock:
+                _on_event(ev)
+
+        def _on_event(ev: dict) -> None:
             kind, cid = ev["event"], ev.get("cell")
             if ev.get("rank", 0) != 0 and kind in ("cell_start", "progress", "cell_done", "cell_failed"):
                 return  # every rank reports; rank 0 speaks for the job (the launcher weighs all ranks)
@@ -412,6 +425,7 @@ def _run_groups(plan, opts, run_dir, manifest, settings, already, prompts, ref, 
             elif kind == "progress":
                 progress.update(tokens_task, completed=ev["tokens"], total=ev["total"])
             elif kind == "cell_done":
+                settled.add(cid)
                 if leader:  # rank 0 reports done once the record is on disk: what a re-run counts as done
                     manifest.set_cell(cid, status="done", reason=None, reused=False,
                                       **{k: ev[k] for k in _CELL_NUMBERS})
@@ -422,14 +436,20 @@ def _run_groups(plan, opts, run_dir, manifest, settings, already, prompts, ref, 
             elif kind == "cell_failed":
                 progress.console.print(f"[red]failed[/] {cid}: {escape(ev['reason'])}")
 
-        for group in plan.groups:
-            if stop:
-                break
-            # Where other processes cannot see what this one skips, the workers decide (rank 0 broadcasts).
-            shared_view = opts.rdzv.nnodes == 1 and not inplace
-            cells = [c for c in group.cells if c.id not in already] if shared_view else list(group.cells)
-            if not cells:
-                continue
+        abort = threading.Event()
+        stopping = lambda: bool(stop) or abort.is_set()  # noqa: E731
+        # Where other processes cannot see what this one skips, the workers decide (rank 0 broadcasts).
+        shared_view = opts.rdzv.nnodes == 1 and not inplace
+        todo = lambda g: [c for c in g.cells if c.id not in already] if shared_view else list(g.cells)  # noqa: E731
+
+        def launch(group, gpus: list[str] | None) -> None:
+            try:
+                _launch(group, todo(group), gpus)
+            except BaseException:
+                abort.set()
+                raise
+
+        def _launch(group, cells, gpus: list[str] | None) -> None:
             spec = JobSpec(
                 group_id=group.id, engine=group.engine, model_path=str(ref.path), dtype=plan.matrix.dtype,
                 device=plan.matrix.device, tp=group.tp, out_dir=str(run_dir), events_dir="",
@@ -442,29 +462,60 @@ def _run_groups(plan, opts, run_dir, manifest, settings, already, prompts, ref, 
             if inplace:
                 outcome = _run_inplace(spec, job_dir, group.nccl_env, on_event)
             else:
+                env = _job_env(group.nccl_env, plan.matrix.device, opts.cpu_threads)
+                if gpus is not None:
+                    env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
                 outcome = run_group(spec, job_dir,
                     nproc=1 if group.engine == "vllm" else group.tp // opts.rdzv.nnodes, rdzv=opts.rdzv, cell_timeout=opts.cell_timeout,
-                    load_timeout=opts.load_timeout, env=_job_env(group.nccl_env, plan.matrix.device, opts.cpu_threads),
-                    on_event=on_event, should_stop=lambda: bool(stop), pass_fds=lock_fds)
-            if leader:
-                g = manifest.data["groups"].setdefault(group.id, {})
-                g.update(load_s=outcome.load_seconds, attempts=outcome.attempts)
-                if plan.matrix.device == "cuda" and group.tp > 1 and outcome.logs:
-                    g["nccl_observed"] = group_observation(outcome.logs, group.nccl_env)
-                    for warning in g["nccl_observed"]["warnings"]:
-                        progress.console.print(f"[yellow]warning:[/] {group.id}: {escape(warning)}")
-                for cid, oc in outcome.cells.items():
-                    entry = manifest.cell(cid)
-                    if oc.status == "skipped":  # the workers found its record (where they decide what is left)
-                        _mark_reused(entry, read_meta(cell_path(run_dir, cid)))
-                        continue
-                    fields = {"status": "pending" if oc.status == "interrupted" else oc.status, "reason": oc.reason}
-                    if oc.status == "done":
-                        fields.update(seconds=oc.seconds, rows=oc.rows, timing=oc.timing, ranks_differ=oc.ranks_differ)
-                    entry.update(fields)
-                    if oc.status not in ("done", "interrupted"):
-                        progress.console.print(f"[red]{oc.status}[/] {cid}: {escape(str(oc.reason))}")
-                manifest.save()
+                    load_timeout=opts.load_timeout, env=env, on_event=on_event, should_stop=stopping, pass_fds=lock_fds)
+            with lock:
+                settled.update(outcome.cells)
+                if leader:
+                    _record_group(group, outcome)
+
+        def _record_group(group, outcome) -> None:
+            g = manifest.data["groups"].setdefault(group.id, {})
+            g.update(load_s=outcome.load_seconds, attempts=outcome.attempts)
+            if plan.matrix.device == "cuda" and group.tp > 1 and outcome.logs:
+                g["nccl_observed"] = group_observation(outcome.logs, group.nccl_env)
+                for warning in g["nccl_observed"]["warnings"]:
+                    progress.console.print(f"[yellow]warning:[/] {group.id}: {escape(warning)}")
+            for cid, oc in outcome.cells.items():
+                entry = manifest.cell(cid)
+                if oc.status == "skipped":  # the workers found its record (where they decide what is left)
+                    _mark_reused(entry, read_meta(cell_path(run_dir, cid)))
+                    continue
+                fields = {"status": "pending" if oc.status == "interrupted" else oc.status, "reason": oc.reason}
+                if oc.status == "done":
+                    fields.update(seconds=oc.seconds, rows=oc.rows, timing=oc.timing, ranks_differ=oc.ranks_differ)
+                entry.update(fields)
+                if oc.status not in ("done", "interrupted"):
+                    progress.console.print(f"[red]{oc.status}[/] {cid}: {escape(str(oc.reason))}")
+            manifest.save()
+
+
+        groups = [g for g in plan.groups if todo(g)]
+        gpus = _side_by_side_gpus(plan, opts, inplace)
+        if gpus:
+            ref_id = reference_cell.id if reference_cell else None
+            ready = lambda g: (ref_id is None or ref_id in already or ref_id in settled  # noqa: E731
+                               or not any(c.mode == "score" for c in g.cells))
+            run_side_by_side(groups, gpus, need=lambda g: g.tp, ready=ready, launch=launch, stopping=stopping)
+        else:
+            for group in groups:
+                if stopping():
+                    break
+                launch(group, None)
+
+def _side_by_side_gpus(plan: Plan, opts: RunOptions, inplace: bool) -> list[str] | None:
+    """The GPUs to share out among groups running at once, or None to run groups one by one
+    (CPU, several nodes, inside the caller's torchrun, or fewer GPUs than two groups need)."""
+    if not opts.side_by_side or plan.matrix.device != "cuda" or opts.rdzv.nnodes > 1 or inplace or len(plan.groups) < 2:
+        return None
+    import torch
+
+    gpus = visible_gpus(torch.cuda.device_count())
+    return gpus if len(gpus) >= 2 * min(g.tp for g in plan.groups) else None
 
 
 def _run_inplace(spec: JobSpec, job_dir: Path, nccl_env: dict[str, str], on_event) -> GroupOutcome:

@@ -189,12 +189,11 @@ def _reference(model, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @torch.inference_mode()
-def _reference_cached(model, prompt: list[int], new: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The model's own fp32 logits as a generation computes them, fed the inputs the engine
-    gives its base model (mask, positions, a KV cache the model makes itself):
-    - the prompt's rows, from the prefill with the cache: some families' base models give other
-      bits with a cache than without (Inkling), and the engine's generate prefills with one;
-    - each new token's row, step by step with logits_to_keep=1, as generate() does."""
+def _reference_cached(model, prompt: list[int], new: list[int]) -> torch.Tensor:
+    """The model's own fp32 logits for each new token as a generation computes them, fed the
+    inputs the engine gives its base model (mask, positions, a KV cache the model makes itself),
+    step by step with logits_to_keep=1, as generate() does. The prefill runs with the cache:
+    some families' base models give other bits with a cache than without (Inkling)."""
     def step(ids, mask, positions, cache, keep):
         return model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
                      use_cache=True, logits_to_keep=keep)
@@ -202,7 +201,6 @@ def _reference_cached(model, prompt: list[int], new: list[int]) -> tuple[torch.T
     ids = torch.tensor([prompt])
     mask = torch.ones_like(ids)
     positions = torch.arange(len(prompt))[None]
-    prompt_logits = step(ids, mask, positions, None, 0).logits.float()[0, :-1]
     out = step(ids, mask, positions, None, 1)
     rows = [out.logits.float()[0, -1]]
     for tok in new[:-1]:
@@ -210,7 +208,7 @@ def _reference_cached(model, prompt: list[int], new: list[int]) -> tuple[torch.T
         positions = positions[:, -1:] + 1
         out = step(torch.tensor([[tok]]), mask, positions, out.past_key_values, 1)
         rows.append(out.logits.float()[0, -1])
-    return prompt_logits, torch.stack(rows)
+    return torch.stack(rows)
 
 
 def _check_rows(what: str, rows, logits: torch.Tensor, lp: torch.Tensor, tokens: np.ndarray) -> None:
@@ -240,23 +238,11 @@ def _conform(model_type: str, path, seed: int = 0) -> None:
 
     prompt = sequences[0][0]
     (rows,), _ = hf.generate(hfm, [Sequence("g", tuple(prompt), None, 3)], topk=0)
-    n = len(prompt) - 1
-    new = rows.token_id[n:].tolist()
-    assert len(new) == 3
-    p_logits, d_logits = _reference_cached(hfm.model, prompt, new)
-    _check_rows(f"{model_type} generate (prompt)", _Rows(rows, slice(0, n)), p_logits,
-                torch.log_softmax(p_logits, dim=-1), np.asarray(prompt[1:]))
+    new = rows.token_id.tolist()
+    assert len(new) == 3 and rows.pos.tolist() == [len(prompt), len(prompt) + 1, len(prompt) + 2]
+    d_logits = _reference_cached(hfm.model, prompt, new)
     assert new == d_logits.argmax(-1).tolist(), f"{model_type} generate: greedy tokens differ"
-    _check_rows(f"{model_type} generate (new tokens)", _Rows(rows, slice(n, None)), d_logits,
-                torch.log_softmax(d_logits, dim=-1), np.asarray(new))
-
-
-class _Rows:
-    """Some of a TokenRows' rows."""
-
-    def __init__(self, rows, sel: slice):
-        for name in ("pos", "token_id", "logprob", "top1", "digest"):
-            setattr(self, name, getattr(rows, name)[sel])
+    _check_rows(f"{model_type} generate (new tokens)", rows, d_logits, torch.log_softmax(d_logits, dim=-1), np.asarray(new))
 
 
 # ----------------------------------------------------------------------------- the families
@@ -314,10 +300,10 @@ def test_head_runs_on_the_shapes_of_the_models_forward(model_type, tmp_path):
         logits, lp = _reference(hfm.model, seq)
         (rows,), _ = hf.score(hfm, [Sequence("s", (seq[0],), tuple(seq[1:]), 0)], topk=0)
         _check_rows(f"{model_type} score of {n} tokens", rows, logits[:-1], lp[:-1], np.asarray(seq[1:]))
-        (rows,), _ = hf.generate(hfm, [Sequence("g", tuple(seq), None, 1)], topk=0)
-        p_logits, _ = _reference_cached(hfm.model, seq, [int(rows.token_id[-1])])
-        _check_rows(f"{model_type} generate, prompt of {n} tokens", _Rows(rows, slice(0, n - 1)), p_logits,
-                    torch.log_softmax(p_logits, dim=-1), np.asarray(seq[1:]))
+        (rows,), _ = hf.generate(hfm, [Sequence("g", tuple(seq), None, 2)], topk=0)
+        d_logits = _reference_cached(hfm.model, seq, rows.token_id.tolist())
+        _check_rows(f"{model_type} generate, prompt of {n} tokens", rows, d_logits,
+                    torch.log_softmax(d_logits, dim=-1), rows.token_id)
 
 
 # ----------------------------------------------------------------------------- refusals

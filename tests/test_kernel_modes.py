@@ -11,11 +11,13 @@ import itertools
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from repaudit import commands
 from repaudit.diff import diff_records
 from repaudit.jobspec import cell_path
+from repaudit.records import load_frame
 from repaudit.plan import Matrix
 from repaudit.run import RunOptions
 
@@ -40,18 +42,34 @@ def runs(request, tmp_path_factory) -> dict:
     return out
 
 
+def _bits(values) -> np.ndarray:
+    return np.asarray(values, dtype=np.float32).view(np.uint32)
+
+
 def _cells(run: Path, kernels: str) -> list[str]:
     return [f"hf-tp{tp}-bs{bs}-default-{kernels}-{mode}" for tp, bs, mode in itertools.product(TPS, BATCHES, MODES)]
 
 
 def test_every_tbik_cell_is_bitwise_identical_to_every_other(runs):
     cells = _cells(runs["tbik"], "tbik")
-    first = cell_path(runs["tbik"], cells[0])
-    for cid in cells[1:]:
-        r = diff_records(first, cell_path(runs["tbik"], cid))
-        # Generate (decode steps) against score (one teacher-forced prefill) included.
-        assert r.identical and r.passed and r.comparable > 0, (cid, r.reasons)
-        assert r.digest_equal == r.digest_compared > 0
+    for mode in MODES:
+        same = [cid for cid in cells if cid.endswith(mode)]
+        first = cell_path(runs["tbik"], same[0])
+        for cid in same[1:]:
+            r = diff_records(first, cell_path(runs["tbik"], cid))
+            assert r.identical and r.passed and r.comparable > 0, (cid, r.reasons)
+            assert r.digest_equal == r.digest_compared > 0
+    # Decode steps against one teacher-forced prefill: a score cell's completion rows are the
+    # generate cell's rows, bit for bit (a generate cell records the generated tokens only).
+    gen = load_frame(cell_path(runs["tbik"], cells[0])).sort_values(["prompt_id", "pos"]).reset_index(drop=True)
+    for cid in [c for c in cells if c.endswith("score")]:
+        scored = load_frame(cell_path(runs["tbik"], cid))
+        done = scored[scored["phase"] == "completion"].sort_values(["prompt_id", "pos"]).reset_index(drop=True)
+        assert len(done) == len(gen) > 0
+        for col in ("prompt_id", "pos", "token_id", "top1_id", "row_digest"):
+            assert done[col].astype(str).tolist() == gen[col].astype(str).tolist(), (cid, col)
+        assert np.array_equal(_bits(done["logprob"]), _bits(gen["logprob"])), cid
+        assert np.array_equal(_bits(np.stack(done["topk_logprobs"])), _bits(np.stack(gen["topk_logprobs"]))), cid
     summary = json.loads((runs["tbik"] / "summary.json").read_text())
     assert summary["passed"] and summary["identical_cells"] == summary["compared_cells"] == len(cells) - 2
 

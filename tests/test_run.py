@@ -51,10 +51,13 @@ def test_matrix_completes_and_finds_the_tp_divergence(matrix_run: Path):
             # fp32 TP=2 moves roughly a third to a half of the logprob bits on CPU; the tool must see it.
             assert 0.2 < r["bitwise_equal_rate"] < 0.9, r
             assert not r["passed"] and r["ulp_max"] > 0
-    # Every smoke prompt is recorded, prompt and completion phases both.
+    # Every smoke prompt is recorded: a generate cell holds the generated tokens, a score cell
+    # the prompt's positions and the completion's.
     df = load_frame(cell_path(matrix_run, "hf-tp1-bs1-default-stock-generate"))
     assert df["prompt_id"].nunique() == 4
-    assert set(df["phase"].astype(str)) == {"prompt", "completion"}
+    assert set(df["phase"].astype(str)) == {"completion"}
+    scored = load_frame(cell_path(matrix_run, "hf-tp1-bs1-default-stock-score"))
+    assert set(scored["phase"].astype(str)) == {"prompt", "completion"}
     assert (df["logprob"].dtype == np.float32) and df["logprob"].le(0).all()
 
 
@@ -63,8 +66,8 @@ def test_score_cells_score_the_reference_generation(matrix_run: Path):
     for cid in ("hf-tp1-bs4-default-stock-score", "hf-tp2-bs1-default-stock-score"):
         score = load_frame(cell_path(matrix_run, cid))
         for pid, g in gen.groupby("prompt_id", observed=True):
-            s = score[score["prompt_id"] == pid]
-            assert s["pos"].tolist() == g["pos"].tolist()
+            s = score[(score["prompt_id"] == pid) & (score["phase"] == "completion")]
+            assert len(s) and s["pos"].tolist() == g["pos"].tolist()
             assert s["token_id"].tolist() == g["token_id"].tolist()
 
 
@@ -202,3 +205,18 @@ def test_a_reused_cell_keeps_its_numbers(api_run):
     assert {k: after[kept][k] for k in numbers} == {k: before[kept][k] for k in numbers}
     assert after[orphaned]["status"] == "done" and after[orphaned]["reused"]
     assert after[orphaned]["rows"] == before[orphaned]["rows"] > 0
+
+
+def test_a_score_cells_reference_is_one_of_its_settings():
+    """A run resumed with another baseline must not reuse score cells that scored other tokens."""
+    from repaudit.plan import Matrix, expand
+    from repaudit.probes import load_suite
+    from repaudit.run import ModelRef, cell_settings
+
+    plan = expand(Matrix(model="x", tps=(1, 2), batch_sizes=(1,), modes=("generate", "score"), device="cpu"))
+    ref, suite = ModelRef("x", Path("/m"), None), load_suite("smoke")
+    gen1, gen2 = (plan.cell(f"hf-tp{t}-bs1-default-stock-generate") for t in (1, 2))
+    score = plan.cell("hf-tp2-bs1-default-stock-score")
+    a, b = (cell_settings(score, plan, ref, suite, r) for r in (gen1, gen2))
+    assert a["scores_tokens_of"] == gen1.id and b["scores_tokens_of"] == gen2.id and a != b
+    assert cell_settings(gen2, plan, ref, suite, gen1) == cell_settings(gen2, plan, ref, suite, gen2)

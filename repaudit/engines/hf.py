@@ -297,8 +297,8 @@ def score(hfm: HFModel, batch: list[Sequence], topk: int) -> tuple[list[TokenRow
 
 @torch.inference_mode()
 def generate(hfm: HFModel, batch: list[Sequence], topk: int) -> tuple[list[TokenRows], Timing]:
-    """Greedy decoding with a KV cache; left padding. Records the prompt's positions (from the
-    prefill) and every generated token, the EOS included."""
+    """Greedy decoding with a KV cache; left padding. Records every generated token, the EOS
+    included (the prompt's positions are a score cell's job)."""
     from transformers import DynamicCache
 
     B = len(batch)
@@ -326,9 +326,6 @@ def generate(hfm: HFModel, batch: list[Sequence], topk: int) -> tuple[list[Token
     t0 = time.perf_counter()
     pids = [s.prompt_id for s in batch]
     hidden = _forward(hfm, ids, mask, positions, mask.bool(), pids, past_key_values=cache, use_cache=True)
-    # Row (b, t) of a real prompt token predicts the token at t + 1.
-    per = [_sequence_rows(hfm, hidden[b, T - n:], ids[b, T - n + 1:], topk) for b, n in enumerate(plens) if n > 1]
-    prompt_vals = _cat_rows(per) if per else None
     step = choose(hidden[:, -1])
     _sync(hfm.device)
     timing = Timing(prefill_s=time.perf_counter() - t0, prefill_tokens=sum(plens))
@@ -356,27 +353,12 @@ def generate(hfm: HFModel, batch: list[Sequence], topk: int) -> tuple[list[Token
     _sync(hfm.device)
     timing.decode_s = time.perf_counter() - t1
 
-    host_prompt = _host(prompt_vals) if prompt_vals is not None else None
     stacked = {k: np.stack([s[k] for s in steps]) for k in steps[0]}  # [steps, B, ...]
-    rows, offset = [], 0
+    rows = []
     for b, s in enumerate(batch):
-        n_prompt, n_gen = plens[b] - 1, int(gen_len[b])
-        parts = []
-        if n_prompt:
-            sel = np.arange(offset, offset + n_prompt)
-            parts.append(_to_rows(s.prompt_id, plens[b], np.arange(1, plens[b]), np.asarray(s.prompt[1:]), host_prompt, sel, topk))
-        offset += n_prompt
+        n_gen = int(gen_len[b])
         per_b = {k: v[:n_gen, b] for k, v in stacked.items()}
-        parts.append(_to_rows(s.prompt_id, plens[b], np.arange(plens[b], plens[b] + n_gen), per_b["chosen"],
-                              per_b, np.arange(n_gen), topk))
-        rows.append(_concat_rows(parts))
+        rows.append(_to_rows(s.prompt_id, plens[b], np.arange(plens[b], plens[b] + n_gen), per_b["chosen"],
+                             per_b, np.arange(n_gen), topk))
     return rows, timing
 
-
-def _concat_rows(parts: list[TokenRows]) -> TokenRows:
-    if len(parts) == 1:
-        return parts[0]
-    cat = lambda name: np.concatenate([getattr(p, name) for p in parts])  # noqa: E731
-    return TokenRows(prompt_id=parts[0].prompt_id, prompt_len=parts[0].prompt_len, pos=cat("pos"),
-                     token_id=cat("token_id"), logprob=cat("logprob"), top1=cat("top1"), topk_ids=cat("topk_ids"),
-                     topk_logprobs=cat("topk_logprobs"), digest=cat("digest"))

@@ -129,8 +129,9 @@ def score(llm, seqs: list[Sequence], topk: int, eos_id: int | None) -> tuple[lis
 
 
 def generate(llm, seqs: list[Sequence], topk: int, eos_id: int | None) -> tuple[list[TokenRows], Timing]:
-    """Greedy decoding; the prompt's positions come from prompt logprobs of the same request."""
-    outs, seconds = _run(llm, [list(s.prompt) for s in seqs], [sampling_params(s.max_new_tokens, topk, eos_id, True) for s in seqs])
+    """Greedy decoding; records the generated tokens (no prompt logprobs: those are a score cell's,
+    and asking vLLM for them would cost more than the decoding)."""
+    outs, seconds = _run(llm, [list(s.prompt) for s in seqs], [sampling_params(s.max_new_tokens, topk, eos_id, False) for s in seqs])
     rows = [rows_from_output(o, s.prompt_id, len(s.prompt), topk, completion=True) for o, s in zip(outs, seqs)]
     # vLLM interleaves prefill and decode; its wall time is charged to the generated tokens.
     return rows, Timing(decode_s=seconds, decode_tokens=sum(len(o.outputs[0].token_ids) for o in outs))
@@ -155,29 +156,31 @@ def _flat(flat, positions: slice, k: int, what: str) -> dict[str, np.ndarray]:
 
 
 def rows_from_output(out, prompt_id: str, prompt_len: int, topk: int, completion: bool) -> TokenRows:
-    """A vLLM RequestOutput (flat logprobs) -> the rows repaudit records: positions 1.. of the
-    prompt (from prompt_logprobs) and, with `completion`, every generated token (EOS included)."""
+    """A vLLM RequestOutput (flat logprobs) -> the rows repaudit records: with `completion`, every
+    generated token (EOS included); without, positions 1.. of the request's prompt (from
+    prompt_logprobs: a score cell's prompt is prompt + reference completion)."""
     k = max(topk, 1)
-    ptoks = np.asarray(out.prompt_token_ids, dtype=np.int64)
-    plps = out.prompt_logprobs
-    if plps is None or len(plps) != len(ptoks):
-        raise RuntimeError(f"{prompt_id}: vLLM returned {0 if plps is None else len(plps)} prompt logprobs for {len(ptoks)} tokens")
-    parts = [_flat(plps, slice(1, None), k, prompt_id)]
-    tokens = [ptoks[1:]]
     if completion:
         gen = out.outputs[0]
         if gen.logprobs is None or len(gen.logprobs) != len(gen.token_ids):
             raise RuntimeError(f"{prompt_id}: vLLM returned logprobs for {0 if gen.logprobs is None else len(gen.logprobs)} "
                                f"of {len(gen.token_ids)} generated tokens")
-        parts.append(_flat(gen.logprobs, slice(None), k, prompt_id))
-        tokens.append(np.asarray(gen.token_ids, dtype=np.int64))
-    cat = lambda key: np.concatenate([p[key] for p in parts])  # noqa: E731
-    token = np.concatenate(tokens)
-    if not (cat("token") == token).all():
+        vals = _flat(gen.logprobs, slice(None), k, prompt_id)
+        token = np.asarray(gen.token_ids, dtype=np.int64)
+        first = len(out.prompt_token_ids)
+    else:
+        ptoks = np.asarray(out.prompt_token_ids, dtype=np.int64)
+        plps = out.prompt_logprobs
+        if plps is None or len(plps) != len(ptoks):
+            raise RuntimeError(f"{prompt_id}: vLLM returned {0 if plps is None else len(plps)} prompt logprobs for {len(ptoks)} tokens")
+        vals = _flat(plps, slice(1, None), k, prompt_id)
+        token = ptoks[1:]
+        first = 1
+    if not (vals["token"] == token).all():
         raise RuntimeError(f"{prompt_id}: vLLM's logprob entries name other tokens than the sequence holds")
-    ids, lps = cat("ids"), cat("lps")
-    return TokenRows(prompt_id=prompt_id, prompt_len=prompt_len, pos=np.arange(1, len(token) + 1, dtype=np.int32),
-                     token_id=token.astype(np.int32), logprob=cat("logprob"), top1=ids[:, 0].astype(np.int32),
+    ids, lps = vals["ids"], vals["lps"]
+    return TokenRows(prompt_id=prompt_id, prompt_len=prompt_len, pos=np.arange(first, first + len(token), dtype=np.int32),
+                     token_id=token.astype(np.int32), logprob=vals["logprob"], top1=ids[:, 0].astype(np.int32),
                      topk_ids=ids[:, :topk].astype(np.int32), topk_logprobs=lps[:, :topk], digest=None)
 
 
@@ -187,7 +190,9 @@ def rows_from_output(out, prompt_id: str, prompt_len: int, topk: int, completion
 # travel as Python floats: vLLM made them from float32, and repr() round-trips every double.
 
 
-def _flat_to_json(flat) -> dict[str, list]:
+def _flat_to_json(flat) -> dict[str, list] | None:
+    if flat is None:
+        return None
     return {"start": list(flat.start_indices), "end": list(flat.end_indices), "token_ids": list(flat.token_ids),
             "logprobs": list(flat.logprobs), "ranks": list(flat.ranks)}
 
@@ -205,7 +210,7 @@ def output_from_json(d: dict[str, Any]):
         def __len__(self) -> int:
             return len(self.start_indices)
 
-    as_flat = lambda f: Flat(start_indices=f["start"], end_indices=f["end"], token_ids=f["token_ids"],  # noqa: E731
-                             logprobs=f["logprobs"], ranks=f["ranks"])
+    as_flat = lambda f: None if f is None else Flat(  # noqa: E731
+        start_indices=f["start"], end_indices=f["end"], token_ids=f["token_ids"], logprobs=f["logprobs"], ranks=f["ranks"])
     gen = NS(token_ids=d["token_ids"], logprobs=as_flat(d["logprobs"]))
-    return NS(prompt_token_ids=d["prompt_token_ids"], prompt_logprobs=as_flat(d["prompt_logprobs"]), outputs=[gen])
+    return NS(prompt_token_ids=d["prompt_token_ids"], prompt_logprobs=as_flat(d.get("prompt_logprobs")), outputs=[gen])

@@ -1,0 +1,84 @@
+"""Launch groups side by side on a node's GPUs (repaudit.schedule), with fake launches."""
+
+import threading
+
+import pytest
+
+from repaudit.schedule import run_side_by_side, visible_gpus
+
+WAIT_S = 5.0
+
+
+def test_groups_that_fit_run_at_once_on_their_own_gpus():
+    started = {name: threading.Event() for name in "abcd"}
+    seen: dict[str, list[str]] = {}
+    busy: set[str] = set()
+    overlap: list[set[str]] = []
+    lock = threading.Lock()
+
+    def launch(group, ids):
+        name = group[0]
+        with lock:
+            assert not busy & set(ids), f"{name} got GPUs {ids} that are in use"
+            busy.update(ids)
+            seen[name] = ids
+            overlap.append(set(busy))
+        started[name].set()
+        if name == "a":  # a ends only once b runs beside it: proves the two ran at once
+            assert started["b"].wait(WAIT_S)
+        with lock:
+            busy.difference_update(ids)
+
+    groups = [("a", 1), ("b", 1), ("c", 1), ("d", 2)]
+    run_side_by_side(groups, ["4", "5"], need=lambda g: g[1], ready=lambda g: True, launch=launch, stopping=lambda: False)
+    assert {seen["a"][0], seen["b"][0]} == {"4", "5"}
+    assert sorted(seen["d"]) == ["4", "5"]
+    assert {"4", "5"} in overlap
+
+
+def test_a_group_that_needs_the_reference_waits_for_it():
+    ref_done = threading.Event()
+    order: list[str] = []
+
+    def launch(group, ids):
+        order.append(f"start {group}")
+        if group == "ref":
+            threading.Event().wait(0.3)
+            order.append("reference settled")
+            ref_done.set()
+            threading.Event().wait(0.3)
+        order.append(f"end {group}")
+
+    run_side_by_side(["ref", "scores"], ["0", "1"], need=lambda g: 1,
+                     ready=lambda g: g == "ref" or ref_done.is_set(), launch=launch, stopping=lambda: False)
+    assert order.index("start scores") > order.index("reference settled")
+    assert order.index("start scores") < order.index("end ref")  # it did not wait for the whole group
+
+
+def test_a_failed_launch_is_raised_and_nothing_new_starts():
+    stop = threading.Event()
+    launched: list[str] = []
+
+    def launch(group, ids):
+        launched.append(group)
+        if group == "bad":
+            stop.set()
+            raise RuntimeError("disk full")
+
+    with pytest.raises(RuntimeError, match="disk full"):
+        run_side_by_side(["bad", "x", "y"], ["0"], need=lambda g: 1, ready=lambda g: True, launch=launch,
+                         stopping=stop.is_set)
+    assert launched == ["bad"]
+
+
+def test_a_group_larger_than_the_node_is_refused():
+    with pytest.raises(ValueError, match="needs 4 GPUs, 2 are visible"):
+        run_side_by_side(["big"], ["0", "1"], need=lambda g: 4, ready=lambda g: True, launch=lambda g, i: None,
+                         stopping=lambda: False)
+
+
+def test_children_name_the_parents_own_gpus(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2, 3")
+    assert visible_gpus(2) == ["2", "3"]
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert visible_gpus(3) == ["0", "1", "2"]
