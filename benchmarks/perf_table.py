@@ -37,6 +37,11 @@ def rows() -> list[list[str]]:
         out.append([f"vLLM cell / plain `LLM.generate`, {r['kernels']}, TP={r['tp']}, {r['prompts']} prompts x {r['new_tokens']} new",
                     "≥ 0.9x", f"{r['ratio']:.2f}x ({_tok(r['repaudit_tok_s'])} / {_tok(r['plain_tok_s'])} tok/s)",
                     r["device"], r["command"]])
+        if "ratio_vs_stock" in r:
+            out.append([f"vLLM {r['kernels']} cell / plain stock `LLM.generate`, TP={r['tp']}, {r['prompts']} prompts x "
+                        f"{r['new_tokens']} new", "≥ 0.8x" if r["kernels"] == "tbik" else "—",
+                        f"{r['ratio_vs_stock']:.2f}x ({_tok(r['repaudit_tok_s'])} / {_tok(r['stock_plain_tok_s'])} tok/s)",
+                        r["device"], r["command"]])
     for r in _load("trace_overhead.json"):
         out.append([f"`--trace` overhead, {r['mode']}, {r['model']}, `{r['probes']}` suite, batch {r['batch']}",
                     "≤ 2x (CPU), ≤ 1.5x (GPU)", f"{r['ratio']:.2f}x ({r['traced_s']:.2f} s / {r['untraced_s']:.2f} s)",

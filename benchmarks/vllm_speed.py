@@ -1,7 +1,10 @@
 """A vLLM cell against plain vLLM, side by side in one process: the same LLM object, the same
 prompts, the same engine settings. `plain` is what a user runs (LLM.generate, greedy, no
 logprobs); `cell` is repaudit's vLLM engine as `repaudit run` calls it (top-k logprobs of every
-generated and prompt token, converted into record rows). Runs alternate, median of --runs.
+generated token, converted into record rows). Runs alternate, median of --runs.
+
+With stock among --kernels, every other mode's row also gets `stock_plain_tok_s` and
+`ratio_vs_stock`: its cell against plain stock vLLM (what tbik through the plugin costs a user).
 
 One process per kernel mode (vLLM reads its switches at start-up), so the script starts itself
 once per mode with --one and gathers the rows:
@@ -87,7 +90,7 @@ def _fixture(llm, prompts, args) -> None:
     topk, cases = 3, []
     for completion in (True, False):
         seqs = [Sequence(f"p{i}", tuple(p[:9]), None, 4) for i, p in enumerate(prompts[:2])]
-        params = [vllm_engine.sampling_params(4 if completion else 1, topk, None, True)] * len(seqs)
+        params = [vllm_engine.sampling_params(4 if completion else 1, topk, None, not completion)] * len(seqs)
         outs = llm.generate([{"prompt_token_ids": list(s.prompt)} for s in seqs], params, use_tqdm=False)
         for s, o in zip(seqs, outs):
             r = vllm_engine.rows_from_output(o, s.prompt_id, len(s.prompt), topk, completion=completion)
@@ -133,6 +136,11 @@ def main() -> None:
         row["command"] = " ".join(["python3", "benchmarks/vllm_speed.py", *sys.argv[1:]])
         rows.append(row)
         print(json.dumps(row), flush=True)
+    stock = next((r for r in rows if r["kernels"] == "stock"), None)
+    for r in rows:
+        if stock is not None and r is not stock:
+            r["stock_plain_tok_s"] = stock["plain_tok_s"]
+            r["ratio_vs_stock"] = r["repaudit_tok_s"] / stock["plain_tok_s"]
     if args.json and rows:
         path = Path(args.json)
         old = json.loads(path.read_text()) if path.exists() else []

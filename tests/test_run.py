@@ -220,3 +220,27 @@ def test_a_score_cells_reference_is_one_of_its_settings():
     a, b = (cell_settings(score, plan, ref, suite, r) for r in (gen1, gen2))
     assert a["scores_tokens_of"] == gen1.id and b["scores_tokens_of"] == gen2.id and a != b
     assert cell_settings(gen2, plan, ref, suite, gen1) == cell_settings(gen2, plan, ref, suite, gen2)
+
+
+def test_groups_side_by_side_give_the_records_of_groups_one_by_one(matrix_run: Path, tmp_path: Path, monkeypatch):
+    """The launcher's side-by-side path (threads, a job per group, GPUs shared out), driven on CPU
+    with three stand-in GPU slots: the TP=2 group starts beside the TP=1 group once the
+    reference cell is on disk, and every record is the one-by-one run's, byte for byte."""
+    from repaudit import run as run_mod
+
+    slots: list[list[str]] = []
+    real_launch = run_mod.run_side_by_side
+
+    def spy(groups, gpus, need, ready, launch, stopping):
+        def tracked(group, ids):
+            slots.append(ids)
+            launch(group, ids)
+        real_launch(groups, gpus, need, ready, tracked, stopping)
+
+    monkeypatch.setattr(run_mod, "_side_by_side_gpus", lambda plan, opts, inplace: ["", "", ""])
+    monkeypatch.setattr(run_mod, "run_side_by_side", spy)
+    out = tmp_path / "sbs"
+    assert _run(out, tps=(1, 2), batch_sizes=(1, 4)) == 0
+    assert sorted(len(ids) for ids in slots) == [1, 2]
+    for path in sorted((matrix_run / "cells").glob("*.parquet")):
+        assert _sha(path) == _sha(out / "cells" / path.name), path.name

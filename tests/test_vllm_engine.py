@@ -150,7 +150,8 @@ def test_real_vllm_generate_and_score_on_a_gpu():
     from repaudit.engines.base import Sequence
 
     llm = vllm_engine.load(vllm_engine.engine_args(model_path=os.environ["REPAUDIT_VLLM_MODEL"], tp=1, dtype="bfloat16",
-                                                   batch_size=4, max_len=128, topk=3))
+                                                   batch_size=4, max_len=128, topk=3,
+                                                   extra={"gpu_memory_utilization": 0.3}))  # shares its GPU
     seqs = [Sequence("a", (1, 2, 3, 4), None, 6), Sequence("b", (5, 6), None, 6)]
     rows, timing = vllm_engine.generate(llm, seqs, 3, eos_id=None)
     assert [r.pos.tolist() for r in rows] == [list(range(4, 10)), list(range(2, 8))] and timing.decode_tokens == 12
