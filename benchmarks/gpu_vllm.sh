@@ -5,9 +5,9 @@
 #   PHASE=1 bash benchmarks/gpu_vllm.sh    # TP=1 matrix (groups side by side on both GPUs), then
 #                                          # the speed of TP=2 tbik against TP=2 stock
 #   PHASE=2 RESUME=<run.tar.xz of phase 1> bash benchmarks/gpu_vllm.sh
-#                                          # TP=2 matrix (resumes TP=1); then trainer (transformers
-#                                          # TP=1) versus rollout (vLLM TP=1,2) cells and diffs and
-#                                          # the vLLM GPU tests on GPU 0, speed TP=1 stock on GPU 1
+#                                          # the rest of TP=1 on GPU 0 while GPU 1 runs trainer
+#                                          # (transformers TP=1 tbik) versus rollout (vLLM tbik) and
+#                                          # the vLLM GPU tests; then TP=2 (tbik first) and the diffs
 #
 # The run: `repaudit run --engine vllm --tp 1,2 --batch-size 1,8,32 --kernels stock,bi,tbik
 # --mode generate,score` on builtin:qwen3-0.6b, default suite, 16 new tokens, top-5, every score
@@ -42,27 +42,29 @@ if [ "${PHASE:-1}" = 1 ]; then
   step "speed TP=2 stock,tbik"
   speed 2 stock,tbik tp2
 else
-  step "matrix TP=1,2 (resumes TP=1)"
-  COLUMNS=150 timeout -k 10 $(( $(left) - 150 )) "${matrix[@]}" --tp 1,2 > $W/run-tp12.log 2>&1; echo "tp1,2 exit $?"
-  grep -v "it/s\]" $W/run-tp12.log | tail -n 45
-  (cd $R && COLUMNS=150 python3 -m repaudit report . > $W/report-tp12.log 2>&1); keep tp12
-  step "GPU 0: trainer (transformers TP=1 tbik) against rollout (vLLM tbik), and the vLLM GPU tests; GPU 1: speed TP=1 stock"
-  (REPAUDIT_VLLM_MODEL="$M" CUDA_VISIBLE_DEVICES=0 timeout $(( $(left) - 25 )) python3 -m pytest -q -p no:cacheprovider \
-     -o addopts="" -rs tests/test_vllm_engine.py > $W/pytest.log 2>&1; echo "pytest exit $?" >> $W/pytest.log) &
-  (CUDA_VISIBLE_DEVICES=1 speed 1 stock tp1 "--fixture $W/vllm_fixture.json") &
-  COLUMNS=150 CUDA_VISIBLE_DEVICES=0 timeout -k 10 $(( $(left) - 25 )) python3 -m repaudit run "${COMMON[@]}" --engine vllm,hf \
+  step "GPU 0: matrix TP=1 (resumes); GPU 1: trainer (transformers TP=1 tbik) against rollout (vLLM tbik), vLLM GPU tests"
+  T=/tmp/runs/trainer; mkdir -p $T/cells; cp $R/cells/vllm-tp1-*-tbik-*.parquet $T/cells/ 2>/dev/null
+  (CUDA_VISIBLE_DEVICES=0 COLUMNS=150 timeout -k 10 240 "${matrix[@]}" --tp 1 > $W/run-tp1.log 2>&1; echo "tp1 exit $?") &
+  (REPAUDIT_VLLM_MODEL="$M" CUDA_VISIBLE_DEVICES=1 timeout 230 python3 -m pytest -q -p no:cacheprovider -o addopts="" -rs \
+     tests/test_vllm_engine.py > $W/pytest.log 2>&1; echo "pytest exit $?" >> $W/pytest.log) &
+  COLUMNS=150 CUDA_VISIBLE_DEVICES=1 timeout -k 10 230 python3 -m repaudit run "${COMMON[@]/$R/$T}" --engine vllm,hf \
     --tp 1 --kernels tbik --reference-per kernels,mode > $W/run-trainer.log 2>&1; echo "trainer exit $?"
   grep -v "it/s\]" $W/run-trainer.log | tail -n 20
-  keep trainer
-  mkdir -p $R/diffs
+  for f in summary.json summary.md; do cp $T/$f $W/trainer-$f 2>/dev/null; done
+  wait; tail -n 3 $W/pytest.log; grep -v "it/s\]" $W/run-tp1.log | tail -n 12
+  step "matrix TP=1,2 (resumes TP=1; tbik first)"
+  matrix=(${matrix[@]/stock,bi,tbik/tbik,bi,stock})
+  COLUMNS=150 timeout -k 10 $(( $(left) - 35 )) "${matrix[@]}" --tp 1,2 > $W/run-tp12.log 2>&1; echo "tp1,2 exit $?"
+  grep -v "it/s\]" $W/run-tp12.log | tail -n 45
+  (cd $R && COLUMNS=150 timeout 20 python3 -m repaudit report . > $W/report-tp12.log 2>&1); keep tp12
+  mkdir -p $R/diffs; cp $T/cells/hf-*.parquet $R/cells/ 2>/dev/null
   for a in generate score; do for t in 1 2; do for b in generate score; do
     [ $a = generate ] && [ $b = score ] && continue
     x=$R/cells/hf-tp1-bs1-default-tbik-$a.parquet; y=$R/cells/vllm-tp$t-bs1-default-tbik-$b.parquet
     [ -f $x ] && [ -f $y ] || continue
     n=hf-tp1-tbik-$a--vllm-tp$t-tbik-$b
-    COLUMNS=150 timeout 30 python3 -m repaudit diff $x $y --json $R/diffs/$n.json > $R/diffs/$n.txt 2>&1; echo "$n exit $?"
+    COLUMNS=150 timeout 10 python3 -m repaudit diff $x $y --json $R/diffs/$n.json > $R/diffs/$n.txt 2>&1; echo "$n exit $?"
   done; done; done
-  wait; tail -n 5 $W/pytest.log
 fi
 for f in $R/jobs/node0/*.log; do grep -v "it/s\]" "$f" | tail -n 60 > $W/job-$(basename "$f"); done
 cp $R/manifest.json $W/ 2>/dev/null

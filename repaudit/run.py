@@ -28,6 +28,7 @@ from .fingerprint import environment
 from .nccl import debug_env as nccl_debug_env, group_observation, torch_nccl_version
 from .jobspec import JobSpec, PromptSpec, cell_path
 from .events import EventReader
+from .files import write_text_atomic
 from .launch import CellOutcome, GroupOutcome, Rendezvous, run_group
 from .plan import Cell, Matrix, ModelShape, Plan, expand, validate_against_model
 from .probes import Suite, load_suite
@@ -408,7 +409,7 @@ def _run_groups(plan, opts, run_dir, manifest, settings, already, prompts, ref, 
         tokens_task = progress.add_task("tokens", total=1, visible=False)
 
         lock = threading.Lock()  # groups side by side report from their own threads
-        settled: set[str] = set()  # cells with an outcome in this run
+        reference_failed = job_dir / "reference-failed"
 
         def on_event(ev: dict) -> None:
             with lock:
@@ -425,7 +426,6 @@ def _run_groups(plan, opts, run_dir, manifest, settings, already, prompts, ref, 
             elif kind == "progress":
                 progress.update(tokens_task, completed=ev["tokens"], total=ev["total"])
             elif kind == "cell_done":
-                settled.add(cid)
                 if leader:  # rank 0 reports done once the record is on disk: what a re-run counts as done
                     manifest.set_cell(cid, status="done", reason=None, reused=False,
                                       **{k: ev[k] for k in _CELL_NUMBERS})
@@ -457,7 +457,8 @@ def _run_groups(plan, opts, run_dir, manifest, settings, already, prompts, ref, 
                 prompts=prompts, eos_id=eos_id, pad_id=pad_id, topk=plan.matrix.topk,
                 reference_cell=reference_cell.id if reference_cell else None, probes=suite.meta, tokenizer=tok_meta,
                 model={"id": ref.id, "weights_sha256": ref.weights_sha256}, cpu_threads=opts.cpu_threads,
-                trust_remote_code=opts.trust_remote_code, extra={"trace": plan.matrix.trace, "vllm_args": plan.matrix.vllm_args},
+                trust_remote_code=opts.trust_remote_code, extra={"trace": plan.matrix.trace, "vllm_args": plan.matrix.vllm_args,
+                       **({"reference_failed_marker": str(reference_failed)} if gpus is not None else {})},
             )
             if inplace:
                 outcome = _run_inplace(spec, job_dir, group.nccl_env, on_event)
@@ -469,7 +470,9 @@ def _run_groups(plan, opts, run_dir, manifest, settings, already, prompts, ref, 
                     nproc=1 if group.engine == "vllm" else group.tp // opts.rdzv.nnodes, rdzv=opts.rdzv, cell_timeout=opts.cell_timeout,
                     load_timeout=opts.load_timeout, env=env, on_event=on_event, should_stop=stopping, pass_fds=lock_fds)
             with lock:
-                settled.update(outcome.cells)
+                settled = outcome.cells.get(reference_cell.id) if reference_cell else None
+                if settled is not None and settled.status != "done":  # score cells waiting for it elsewhere fail now
+                    write_text_atomic(reference_failed, f"{reference_cell.id}: {settled.status}: {settled.reason}\n")
                 if leader:
                     _record_group(group, outcome)
 
@@ -497,10 +500,8 @@ def _run_groups(plan, opts, run_dir, manifest, settings, already, prompts, ref, 
         groups = [g for g in plan.groups if todo(g)]
         gpus = _side_by_side_gpus(plan, opts, inplace)
         if gpus:
-            ref_id = reference_cell.id if reference_cell else None
-            ready = lambda g: (ref_id is None or ref_id in already or ref_id in settled  # noqa: E731
-                               or not any(c.mode == "score" for c in g.cells))
-            run_side_by_side(groups, gpus, need=lambda g: g.tp, ready=ready, launch=launch, stopping=stopping)
+            reference_failed.unlink(missing_ok=True)
+            run_side_by_side(groups, gpus, need=lambda g: g.tp, launch=launch, stopping=stopping)
         else:
             for group in groups:
                 if stopping():

@@ -4,8 +4,9 @@ A group needs `tp` GPUs and has them to itself (CUDA_VISIBLE_DEVICES names them)
 that fit together run at the same time: on two GPUs, two TP=1 groups (a vLLM job per kernel
 mode, each a minute or more of start-up) take the time of one. Groups start in plan order;
 one that does not fit yet holds back those behind it, so the plan's order (the baseline's
-group first) is the order in which they start. A group whose score cells read the reference
-completion starts only once the reference cell has settled.
+group first) is the order in which they start. A group does not wait for the reference cell
+before it starts: model loading is most of a job's time. Its score cells wait for it instead
+(repaudit.worker._await_reference).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ def visible_gpus(count: int) -> list[str]:
     return ids[:count]
 
 
-def run_side_by_side(groups: Sequence[G], gpus: list[str], need: Callable[[G], int], ready: Callable[[G], bool],
+def run_side_by_side(groups: Sequence[G], gpus: list[str], need: Callable[[G], int],
                      launch: Callable[[G, list[str]], None], stopping: Callable[[], bool]) -> None:
     """Run launch(group, its GPU ids) for every group, as many at once as the GPUs allow. Once
     `stopping()` is true no group starts; the first exception of a launch is raised when the
@@ -40,9 +41,7 @@ def run_side_by_side(groups: Sequence[G], gpus: list[str], need: Callable[[G], i
                 n = need(todo[0])
                 if n > len(gpus):
                     raise ValueError(f"a launch group needs {n} GPUs, {len(gpus)} are visible")
-                # With nothing running, nothing can settle the reference: the head goes (its score
-                # cells then fail with the reason) rather than waiting forever.
-                if n > len(free) or (running and not ready(todo[0])):
+                if n > len(free):
                     break
                 ids, free = free[:n], free[n:]
                 running[pool.submit(launch, todo.pop(0), ids)] = ids

@@ -22,6 +22,8 @@ from .faults import maybe_inject, write_faults
 from .jobspec import JobSpec, cell_path
 from .records import RecordMeta, build_table, load_frame, write_table
 
+REFERENCE_POLL_S = 0.5
+
 
 def _reason(exc: BaseException) -> str:
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
@@ -54,6 +56,19 @@ def _references(spec: JobSpec, rank: int) -> dict[str, list[int]] | None:
             done = df[df["phase"] == "completion"].sort_values(["prompt_id", "pos"])
             refs = {str(k): g["token_id"].astype(int).tolist() for k, g in done.groupby("prompt_id", observed=True)}
     return broadcast_json(refs)
+
+
+def _await_reference(spec: JobSpec, cell: dict) -> None:
+    """Groups side by side (see repaudit.schedule) start before the reference cell is written:
+    a score cell waits for it here, before it starts, so its --timeout does not run meanwhile.
+    The launcher writes the marker when the reference will not come; the cell then fails
+    with the reason _sequences gives."""
+    marker = spec.extra.get("reference_failed_marker")
+    if not marker or cell["mode"] != "score" or not spec.reference_cell:
+        return
+    record = cell_path(spec.out_dir, spec.reference_cell)
+    while not record.exists() and not Path(marker).exists():
+        time.sleep(REFERENCE_POLL_S)
 
 
 def _sequences(spec: JobSpec, refs: dict[str, list[int]] | None, mode: str) -> list[Sequence]:
@@ -139,6 +154,7 @@ def _run_vllm(spec: JobSpec, events: EventWriter, todo: list[dict]) -> None:
     env = environment(spec.device)
     for cell in todo:
         cid = cell["id"]
+        _await_reference(spec, cell)
         events.emit("cell_start", cell=cid)
         t_cell = time.perf_counter()
         try:
@@ -187,6 +203,7 @@ def run_job(spec: JobSpec) -> None:
     refs = None
     for cell in todo:
         cid = cell["id"]
+        _await_reference(spec, cell)  # every rank: any rank's cell_start starts the cell's clock
         events.emit("cell_start", cell=cid)
         t_cell = time.perf_counter()
         try:

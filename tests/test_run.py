@@ -224,18 +224,18 @@ def test_a_score_cells_reference_is_one_of_its_settings():
 
 def test_groups_side_by_side_give_the_records_of_groups_one_by_one(matrix_run: Path, tmp_path: Path, monkeypatch):
     """The launcher's side-by-side path (threads, a job per group, GPUs shared out), driven on CPU
-    with three stand-in GPU slots: the TP=2 group starts beside the TP=1 group once the
-    reference cell is on disk, and every record is the one-by-one run's, byte for byte."""
+    with three stand-in GPU slots: the TP=2 group starts beside the TP=1 group, its score cells
+    wait for the reference cell, and every record is the one-by-one run's, byte for byte."""
     from repaudit import run as run_mod
 
     slots: list[list[str]] = []
     real_launch = run_mod.run_side_by_side
 
-    def spy(groups, gpus, need, ready, launch, stopping):
+    def spy(groups, gpus, need, launch, stopping):
         def tracked(group, ids):
             slots.append(ids)
             launch(group, ids)
-        real_launch(groups, gpus, need, ready, tracked, stopping)
+        real_launch(groups, gpus, need, tracked, stopping)
 
     monkeypatch.setattr(run_mod, "_side_by_side_gpus", lambda plan, opts, inplace: ["", "", ""])
     monkeypatch.setattr(run_mod, "run_side_by_side", spy)

@@ -1,6 +1,7 @@
 """Launch groups side by side on a node's GPUs (repaudit.schedule), with fake launches."""
 
 import threading
+import time
 
 import pytest
 
@@ -30,29 +31,10 @@ def test_groups_that_fit_run_at_once_on_their_own_gpus():
             busy.difference_update(ids)
 
     groups = [("a", 1), ("b", 1), ("c", 1), ("d", 2)]
-    run_side_by_side(groups, ["4", "5"], need=lambda g: g[1], ready=lambda g: True, launch=launch, stopping=lambda: False)
+    run_side_by_side(groups, ["4", "5"], need=lambda g: g[1], launch=launch, stopping=lambda: False)
     assert {seen["a"][0], seen["b"][0]} == {"4", "5"}
     assert sorted(seen["d"]) == ["4", "5"]
     assert {"4", "5"} in overlap
-
-
-def test_a_group_that_needs_the_reference_waits_for_it():
-    ref_done = threading.Event()
-    order: list[str] = []
-
-    def launch(group, ids):
-        order.append(f"start {group}")
-        if group == "ref":
-            threading.Event().wait(0.3)
-            order.append("reference settled")
-            ref_done.set()
-            threading.Event().wait(0.3)
-        order.append(f"end {group}")
-
-    run_side_by_side(["ref", "scores"], ["0", "1"], need=lambda g: 1,
-                     ready=lambda g: g == "ref" or ref_done.is_set(), launch=launch, stopping=lambda: False)
-    assert order.index("start scores") > order.index("reference settled")
-    assert order.index("start scores") < order.index("end ref")  # it did not wait for the whole group
 
 
 def test_a_failed_launch_is_raised_and_nothing_new_starts():
@@ -66,15 +48,13 @@ def test_a_failed_launch_is_raised_and_nothing_new_starts():
             raise RuntimeError("disk full")
 
     with pytest.raises(RuntimeError, match="disk full"):
-        run_side_by_side(["bad", "x", "y"], ["0"], need=lambda g: 1, ready=lambda g: True, launch=launch,
-                         stopping=stop.is_set)
+        run_side_by_side(["bad", "x", "y"], ["0"], need=lambda g: 1, launch=launch, stopping=stop.is_set)
     assert launched == ["bad"]
 
 
 def test_a_group_larger_than_the_node_is_refused():
     with pytest.raises(ValueError, match="needs 4 GPUs, 2 are visible"):
-        run_side_by_side(["big"], ["0", "1"], need=lambda g: 4, ready=lambda g: True, launch=lambda g, i: None,
-                         stopping=lambda: False)
+        run_side_by_side(["big"], ["0", "1"], need=lambda g: 4, launch=lambda g, i: None, stopping=lambda: False)
 
 
 def test_children_name_the_parents_own_gpus(monkeypatch):
@@ -82,3 +62,26 @@ def test_children_name_the_parents_own_gpus(monkeypatch):
     assert visible_gpus(2) == ["2", "3"]
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     assert visible_gpus(3) == ["0", "1", "2"]
+
+
+@pytest.mark.parametrize("arrives", ["record", "marker"])
+def test_a_score_cell_waits_for_the_reference_or_the_word_that_it_will_not_come(tmp_path, arrives):
+    from repaudit.jobspec import JobSpec, cell_path
+    from repaudit.worker import _await_reference
+
+    marker = tmp_path / "jobs" / "reference-failed"
+    marker.parent.mkdir()
+    spec = JobSpec(group_id="g", engine="hf", model_path="m", dtype="float32", device="cuda", tp=1, out_dir=str(tmp_path),
+                   events_dir="", cells=[], prompts=[], eos_id=None, pad_id=0, topk=0, reference_cell="ref-generate",
+                   probes={}, tokenizer={}, model={}, cpu_threads=1, trust_remote_code=False,
+                   extra={"reference_failed_marker": str(marker)})
+    target = cell_path(tmp_path, "ref-generate") if arrives == "record" else marker
+    target.parent.mkdir(parents=True, exist_ok=True)
+    timer = threading.Timer(0.6, target.write_text, args=("x",))
+    timer.start()
+    t0 = time.monotonic()
+    _await_reference(spec, {"mode": "generate"})  # only score cells wait
+    assert time.monotonic() - t0 < 0.3
+    _await_reference(spec, {"mode": "score"})
+    assert time.monotonic() - t0 >= 0.6 and target.exists()
+    timer.join()

@@ -273,3 +273,23 @@ def test_outputs_recorded_from_a_real_vllm_run_convert_to_the_same_rows():
         assert (rows.logprob[gen].view(np.uint32) == rows.topk_logprobs[gen, 0].view(np.uint32)).all()
         tied = rows.topk_logprobs[gen, 0] == rows.topk_logprobs[gen, 1]
         assert ((rows.token_id[gen] == rows.top1[gen]) | tied).all()
+
+
+@pytest.mark.parametrize("installed, words", [(None, "not installed"), ("0.1.0", "vLLM 0.1.0 is untested")])
+def test_vllm_that_is_missing_or_untested_is_refused_in_one_line_without_importing_it(monkeypatch, installed, words):
+    import importlib.metadata
+    import sys
+
+    from repaudit.errors import InputError
+
+    def version(name):
+        assert name == "vllm"
+        if installed is None:
+            raise importlib.metadata.PackageNotFoundError(name)
+        return installed
+
+    monkeypatch.setattr(vllm_engine.importlib.metadata, "version", version)
+    monkeypatch.setitem(sys.modules, "vllm", None)  # an import of vllm would raise ImportError
+    with pytest.raises(InputError) as err:
+        vllm_engine.require("cuda")
+    assert words in str(err.value) and "\n" not in str(err.value)

@@ -34,6 +34,7 @@ memory share. The settings repaudit changes, and why (docs/vllm.md lists them to
 
 from __future__ import annotations
 
+import importlib.metadata
 import time
 from typing import Any
 
@@ -63,12 +64,14 @@ def scrub_launcher_env(env: dict[str, str]) -> None:
 def require(device: str = "cuda", nnodes: int = 1) -> None:
     from .vllm_plugin import TESTED_VLLM
 
+    # The installed version from its metadata: importing vLLM costs the launcher ten seconds or
+    # more, and only the jobs need it.
     try:
-        import vllm
-    except ImportError as exc:
-        raise InputError(f"--engine vllm needs vLLM ({exc}): {INSTALL_HINT}") from None
-    if vllm.__version__ not in TESTED_VLLM:
-        raise InputError(f"--engine vllm: vLLM {vllm.__version__} is untested; repaudit supports vLLM "
+        version = importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        raise InputError(f"--engine vllm needs vLLM (it is not installed): {INSTALL_HINT}") from None
+    if version not in TESTED_VLLM:
+        raise InputError(f"--engine vllm: vLLM {version} is untested; repaudit supports vLLM "
                          f"{', '.join(TESTED_VLLM)} ({INSTALL_HINT})")
     if device != "cuda":
         raise InputError("--engine vllm runs on GPUs: add --device cuda")
