@@ -8,6 +8,7 @@
 #                                          # the rest of TP=1 on GPU 0 while GPU 1 runs trainer
 #                                          # (transformers TP=1 tbik) versus rollout (vLLM tbik) and
 #                                          # the vLLM GPU tests; then TP=2 (tbik first) and the diffs
+#   PHASE=3 bash benchmarks/gpu_vllm.sh    # one GPU: the vLLM GPU tests, speed TP=1 stock
 #
 # The run: `repaudit run --engine vllm --tp 1,2 --batch-size 1,8,32 --kernels stock,bi,tbik
 # --mode generate,score` on builtin:qwen3-0.6b, default suite, 16 new tokens, top-5, every score
@@ -41,6 +42,12 @@ if [ "${PHASE:-1}" = 1 ]; then
   (cd $R && COLUMNS=150 python3 -m repaudit report . > $W/report-tp1.log 2>&1); keep tp1
   step "speed TP=2 stock,tbik"
   speed 2 stock,tbik tp2
+elif [ "${PHASE:-1}" = 3 ]; then
+  step "vLLM GPU tests"
+  REPAUDIT_VLLM_MODEL="$M" timeout 200 python3 -m pytest -q -p no:cacheprovider -o addopts="" -rs tests/test_vllm_engine.py \
+    > $W/pytest.log 2>&1; echo "pytest exit $?"; tail -n 4 $W/pytest.log
+  step "speed TP=1 stock: plain, plain with the cell's logprobs, the cell"
+  speed 1 stock tp1 "--fixture $W/vllm_fixture.json"
 else
   step "GPU 0: matrix TP=1 (resumes); GPU 1: trainer (transformers TP=1 tbik) against rollout (vLLM tbik), vLLM GPU tests"
   T=/tmp/runs/trainer; mkdir -p $T/cells; cp $R/cells/vllm-tp1-*-tbik-*.parquet $T/cells/ 2>/dev/null

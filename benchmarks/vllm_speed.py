@@ -1,6 +1,7 @@
 """A vLLM cell against plain vLLM, side by side in one process: the same LLM object, the same
 prompts, the same engine settings. `plain` is what a user runs (LLM.generate, greedy, no
-logprobs); `cell` is repaudit's vLLM engine as `repaudit run` calls it (top-k logprobs of every
+logprobs); `plain_logprobs` the same with the logprobs a cell asks for (top-k, flat), so what
+vLLM's own logprobs cost shows apart from repaudit's conversion; `cell` is repaudit's vLLM engine as `repaudit run` calls it (top-k logprobs of every
 generated token, converted into record rows). Runs alternate, median of --runs.
 
 With stock among --kernels, every other mode's row also gets `stock_plain_tok_s` and
@@ -62,20 +63,26 @@ def one(args) -> dict:
                                                    extra=json.loads(args.vllm_args)))
     seqs = [Sequence(f"p{i}", tuple(p), None, args.new) for i, p in enumerate(prompts)]
     plain_params = SamplingParams(temperature=0.0, max_tokens=args.new, detokenize=False)
-    # Warm-up of both paths at full size: compilation, graph capture, allocator growth.
-    llm.generate([{"prompt_token_ids": p} for p in prompts], plain_params, use_tqdm=False)
+    # What the cell asks vLLM for, without repaudit's conversion: vLLM's own cost of logprobs.
+    lp_params = vllm_engine.sampling_params(args.new, args.topk, None, False)
+    requests = [{"prompt_token_ids": p} for p in prompts]
+    # Warm-up of every path at full size: compilation, graph capture, allocator growth.
+    llm.generate(requests, plain_params, use_tqdm=False)
+    llm.generate(requests, lp_params, use_tqdm=False)
     vllm_engine.generate(llm, seqs, args.topk, eos_id=None)
-    plain, cell = [], []
+    plain, with_lp, cell = [], [], []
     for _ in range(args.runs):
-        t0 = time.perf_counter()
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], plain_params, use_tqdm=False)
-        plain.append((time.perf_counter() - t0, sum(len(o.outputs[0].token_ids) for o in outs)))
+        for params, runs in ((plain_params, plain), (lp_params, with_lp)):
+            t0 = time.perf_counter()
+            outs = llm.generate(requests, params, use_tqdm=False)
+            runs.append((time.perf_counter() - t0, sum(len(o.outputs[0].token_ids) for o in outs)))
         t0 = time.perf_counter()
         rows, _ = vllm_engine.generate(llm, seqs, args.topk, eos_id=None)
         cell.append((time.perf_counter() - t0, sum(int((r.pos >= r.prompt_len).sum()) for r in rows)))
     tok_s = lambda runs: statistics.median(n / s for s, n in runs)  # noqa: E731
     row = {"device": _device_name(args.tp), "engine": "vllm", "kernels": args.kernels, "tp": args.tp, "prompts": args.prompts,
            "new_tokens": args.new, "topk": args.topk, "plain_tok_s": tok_s(plain), "repaudit_tok_s": tok_s(cell),
+           "plain_logprobs_tok_s": tok_s(with_lp),
            "plain_runs_s": [s for s, _ in plain], "repaudit_runs_s": [s for s, _ in cell]}
     row["ratio"] = row["repaudit_tok_s"] / row["plain_tok_s"]
     if args.fixture:

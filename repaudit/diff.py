@@ -17,10 +17,13 @@ import pandas).
 
 A row's logprob is only comparable when both sides scored the same token after the same
 context. In a prompt, the first position where the tokens differ (or where one side has a
-row the other lacks) is that prompt's *token divergence*; rows before it are comparable,
+row the other lacks, once both have begun) is that prompt's *token divergence*; rows before it are comparable,
 the row at it still shares its context (so its distribution digest, top-1 and top-k are
 compared), rows after it are counted but not compared. In score mode tokens never differ,
 so every row is compared; in generate mode, comparison stops where greedy decoding forked.
+Rows before the other side's first row of a prompt do not end its shared prefix: a generate
+record starts at the prompt's end, so a trainer's score record (prompt and completion) and a
+rollout's generate record compare on the completion.
 """
 
 from __future__ import annotations
@@ -929,6 +932,8 @@ class _Acc:
         self.rows_a, self.rows_b, self.matched, self.comparable, self.bitwise_equal = z(), z(), z(), z(), z()
         self.max_ulp = z()
         self.token_div = np.full(n_prompts, NO_DIVERGENCE, dtype=np.int64)
+        self.first_a = np.full(n_prompts, NO_DIVERGENCE, dtype=np.int64)  # each side's first position per prompt so far
+        self.first_b = np.full(n_prompts, NO_DIVERGENCE, dtype=np.int64)
         self.bits_div = np.full(n_prompts, NO_DIVERGENCE, dtype=np.int64)
         self.small_hist = np.zeros(_SMALL_ULP, dtype=np.int64)  # exact counts of distances < 2**16
         self.large: list[np.ndarray] = []  # the distances >= 2**16, as they are
@@ -959,10 +964,13 @@ class _Acc:
         nz = np.flatnonzero(self.small_hist)
         return sum(map(operator.mul, nz.tolist(), self.small_hist[nz].tolist())) + sum(int(x.sum()) for x in self.large)
 
-    def unmatched(self, keys: np.ndarray) -> None:
-        """Rows one side has and the other lacks end the shared prefix of their prompt."""
+    def unmatched(self, keys: np.ndarray, other_first: np.ndarray) -> None:
+        """Rows one side has and the other lacks end the shared prefix of their prompt, unless the
+        other side has not begun that prompt yet (`other_first`: its first position per prompt)."""
         if len(keys):
-            _first_per_prompt(self.token_div, keys >> 32, keys & _POS_MASK)
+            rank, pos = keys >> 32, keys & _POS_MASK
+            late = other_first[rank] < pos
+            _first_per_prompt(self.token_div, rank[late], pos[late])
 
     def matched_rows(self, a: _Chunk, b: _Chunk) -> None:
         """Rows with the same keys, in the same order (a.rank == b.rank, a.pos == b.pos)."""
@@ -1343,6 +1351,13 @@ def _segments(rank: np.ndarray) -> np.ndarray:
     return np.flatnonzero(np.concatenate(([True], rank[1:] != rank[:-1])))
 
 
+def _note_first(target: np.ndarray, c: _Chunk) -> None:
+    """target[prompt] = the smallest position seen of that prompt (rows are sorted by position)."""
+    if len(c):
+        starts = c.bounds[:-1]
+        np.minimum.at(target, c.rank[starts], c.pos[starts])
+
+
 def _first_per_prompt(target: np.ndarray, rank: np.ndarray, pos: np.ndarray) -> None:
     if not len(rank):
         return
@@ -1366,6 +1381,10 @@ def _percentile(acc: _Acc, total: int, q: float) -> int:
 
 
 def _align(acc: _Acc, a: _Chunk, b: _Chunk) -> None:
+    # Every row of either side up to these chunks' last key is here or was before, so the first
+    # positions below are final for any row that unmatched() weighs.
+    _note_first(acc.first_a, a)
+    _note_first(acc.first_b, b)
     if _same_keys(a, b):
         acc.matched_rows(a, b)
         return
@@ -1375,8 +1394,8 @@ def _align(acc: _Acc, a: _Chunk, b: _Chunk) -> None:
     hit = (ia < len(b)) & (kb[ia_clip] == ka) if len(b) else np.zeros(len(a), dtype=bool)
     hit_b = np.zeros(len(b), dtype=bool)
     hit_b[ia[hit]] = True
-    acc.unmatched(ka[~hit])
-    acc.unmatched(kb[~hit_b])
+    acc.unmatched(ka[~hit], acc.first_b)
+    acc.unmatched(kb[~hit_b], acc.first_a)
     acc.matched_rows(a.take(hit), b.take(ia[hit]))
 
 
@@ -1400,6 +1419,8 @@ def _merge(acc: _Acc, sa: Iterator[_Chunk], sb: Iterator[_Chunk]) -> None:
         if not len(buf_a) and not len(buf_b) and done_a and done_b:
             return
         if _same_keys(buf_a, buf_b):  # the usual case: both files cut into batches at the same rows
+            _note_first(acc.first_a, buf_a)
+            _note_first(acc.first_b, buf_b)
             acc.matched_rows(_fix_digest(buf_a, buf_b), _fix_digest(buf_b, buf_a))
             buf_a, buf_b = _EMPTY, _EMPTY
             continue

@@ -105,7 +105,11 @@ def reference(a: Side, b: Side) -> dict:
         both = g[g._merge == "both"]
         out["unmatched_a"] += int((g._merge == "left_only").sum())
         out["unmatched_b"] += int((g._merge == "right_only").sum())
-        breaks = list(g.pos[g._merge != "both"]) + list(both.pos[both.token_id_a != both.token_id_b])
+        # A row one side lacks ends the shared prefix once the other side has begun the prompt: rows
+        # before a side's first row (a generate record has none for the prompt) do not.
+        first_a, first_b = g.pos[g._merge != "right_only"].min(), g.pos[g._merge != "left_only"].min()
+        lacking = g[((g._merge == "left_only") & (g.pos > first_b)) | ((g._merge == "right_only") & (g.pos > first_a))]
+        breaks = list(lacking.pos) + list(both.pos[both.token_id_a != both.token_id_b])
         div = min(breaks) if breaks else None
         first_lp, max_ulp, n_cmp, n_eq = None, 0, 0, 0
         for row in both.itertuples():
@@ -319,10 +323,11 @@ M2 = 0xC0000000  # -2.0
 
 def test_token_divergence_rules(tmp_path):
     seq = [(p, 10 + p, M2 + p) for p in range(8)]
-    a = _side({"fork": seq, "short": seq, "hole": seq, "same": seq})
     fork = [(p, t if p < 5 else t + 1, lb) for p, t, lb in seq]
     hole = [row for row in seq if row[0] != 3]
-    b = _side({"fork": fork, "short": seq[:6], "hole": hole, "same": seq})
+    a = _side({"fork": seq, "short": seq, "hole": seq, "same": seq, "late": seq, "late-hole": seq})
+    late_hole = [row for row in seq[3:] if row[0] != 5]
+    b = _side({"fork": fork, "short": seq[:6], "hole": hole, "same": seq, "late": seq[3:], "late-hole": late_hole})
     b.digest[[i for i, (pid, p) in enumerate(zip(b.prompt_id, b.pos)) if pid == "fork" and p >= 6]] += np.uint64(1)
     r = diff_records(a.write(tmp_path / "a.parquet"), b.write(tmp_path / "b.parquet"))
     assert_matches_reference(r, reference(a, b))
@@ -334,16 +339,20 @@ def test_token_divergence_rules(tmp_path):
     # hole: B lacks pos 3; rows after it are not compared either
     assert (by["hole"].first_token_divergence, by["hole"].comparable, by["hole"].matched) == (3, 3, 7)
     assert by["same"].first_token_divergence is None and by["same"].comparable == 8
-    assert r.after_divergence == 2 + 4  # fork 6,7; hole 4..7
-    assert (r.unmatched_a, r.unmatched_b) == (2 + 1, 0)
+    # late: B begins at pos 3 (as a generate record begins at the prompt's end): rows 3-7 compare
+    assert (by["late"].first_token_divergence, by["late"].comparable, by["late"].matched) == (None, 5, 5)
+    # late-hole: begun at 3, B then lacks pos 5: that ends the shared prefix
+    assert (by["late-hole"].first_token_divergence, by["late-hole"].comparable) == (5, 2)
+    assert r.after_divergence == 2 + 4 + 2  # fork 6,7; hole 4..7; late-hole 6,7
+    assert (r.unmatched_a, r.unmatched_b) == (2 + 1 + 3 + 4, 0)
     # digests at fork pos 6, 7 differ but sit after the divergence: not compared, so all compared are equal
-    assert r.digest_equal == r.digest_compared == 8 + 6 + 6 + 3  # same: all; fork, short: 0-5; hole: 0-2
+    assert r.digest_equal == r.digest_compared == 8 + 6 + 6 + 3 + 5 + 2  # same; fork, short: 0-5; hole: 0-2; late; late-hole: 3-4
     # top1 = token on each side: at fork pos 5 they differ, and that row is compared
-    assert (r.top1_compared, r.top1_compared - r.top1_equal) == (23, 1)
-    assert r.bitwise_equal == r.comparable and r.seq_token_match_rate == 0.25
+    assert (r.top1_compared, r.top1_compared - r.top1_equal) == (30, 1)
+    assert r.bitwise_equal == r.comparable and r.seq_token_match_rate == 2 / 6  # same, late
     assert not r.passed
-    assert any("3 of 4 sequences differ in tokens or length (first: 'fork' at pos 5)" in x for x in r.reasons)
-    assert "1 of 23 positions change their most likely token" in r.reasons  # strict: a moved argmax fails too
+    assert any("4 of 6 sequences differ in tokens or length (first: 'fork' at pos 5)" in x for x in r.reasons)
+    assert "1 of 30 positions change their most likely token" in r.reasons  # strict: a moved argmax fails too
     assert not r.identical
 
 
