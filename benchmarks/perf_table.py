@@ -37,6 +37,11 @@ def rows() -> list[list[str]]:
         out.append([f"vLLM cell / plain `LLM.generate`, {r['kernels']}, TP={r['tp']}, {r['prompts']} prompts x {r['new_tokens']} new",
                     "≥ 0.9x", f"{r['ratio']:.2f}x ({_tok(r['repaudit_tok_s'])} / {_tok(r['plain_tok_s'])} tok/s)",
                     r["device"], r["command"]])
+        if "plain_logprobs_tok_s" in r:
+            out.append([f"vLLM cell / `LLM.generate` with the cell's logprobs (top-{r['topk']}), {r['kernels']}, TP={r['tp']}, "
+                        f"{r['prompts']} prompts x {r['new_tokens']} new", "—",
+                        f"{r['repaudit_tok_s'] / r['plain_logprobs_tok_s']:.2f}x ({_tok(r['repaudit_tok_s'])} / "
+                        f"{_tok(r['plain_logprobs_tok_s'])} tok/s)", r["device"], r["command"]])
         if "ratio_vs_stock" in r:
             out.append([f"vLLM {r['kernels']} cell / plain stock `LLM.generate`, TP={r['tp']}, {r['prompts']} prompts x "
                         f"{r['new_tokens']} new", "≥ 0.8x" if r["kernels"] == "tbik" else "—",

@@ -4,7 +4,7 @@ logprobs); `plain_logprobs` the same with the logprobs a cell asks for (top-k, f
 vLLM's own logprobs cost shows apart from repaudit's conversion; `cell` is repaudit's vLLM engine as `repaudit run` calls it (top-k logprobs of every
 generated token, converted into record rows). Runs alternate, median of --runs.
 
-With stock among --kernels, every other mode's row also gets `stock_plain_tok_s` and
+With stock first in --kernels, every later mode's row also gets `stock_plain_tok_s` and
 `ratio_vs_stock`: its cell against plain stock vLLM (what tbik through the plugin costs a user).
 
 One process per kernel mode (vLLM reads its switches at start-up), so the script starts itself
@@ -141,18 +141,16 @@ def main() -> None:
             continue
         row = found[0]
         row["command"] = " ".join(["python3", "benchmarks/vllm_speed.py", *sys.argv[1:]])
+        stock = next((r for r in rows if r["kernels"] == "stock"), None)
+        if stock is not None:
+            row["stock_plain_tok_s"] = stock["plain_tok_s"]
+            row["ratio_vs_stock"] = row["repaudit_tok_s"] / stock["plain_tok_s"]
         rows.append(row)
         print(json.dumps(row), flush=True)
-    stock = next((r for r in rows if r["kernels"] == "stock"), None)
-    for r in rows:
-        if stock is not None and r is not stock:
-            r["stock_plain_tok_s"] = stock["plain_tok_s"]
-            r["ratio_vs_stock"] = r["repaudit_tok_s"] / stock["plain_tok_s"]
-    if args.json and rows:
-        path = Path(args.json)
-        old = json.loads(path.read_text()) if path.exists() else []
-        path.write_text(json.dumps(old + rows, indent=1))
-
+        if args.json:  # row by row: a mode that outlives its time limit keeps the ones before it
+            path = Path(args.json)
+            old = json.loads(path.read_text()) if path.exists() else []
+            path.write_text(json.dumps(old + [row], indent=1))
 
 if __name__ == "__main__":
     main()
