@@ -101,7 +101,17 @@ def gate(
     return 0 if result.passed else 1
 
 
+RUN_NEEDS = ("torch", "transformers", "pandas")  # the [run] extra; diff, gate, report and locate need none
+
+
 def run(matrix, opts, console: Console | None = None) -> int:
+    import importlib.util
+
+    from .errors import InputError
+
+    missing = [m for m in RUN_NEEDS if importlib.util.find_spec(m) is None]
+    if missing:
+        raise InputError(f"repaudit run needs {', '.join(missing)}, which this install lacks: pip install 'repaudit[run]'")
     from .run import run as run_matrix
 
     return run_matrix(matrix, opts, console)

@@ -18,11 +18,12 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from .errors import InputError
 from .floats import ulp_distance_bits
-from .trace import KEY_CELL, KEY_MODULES, KEY_VERSION, TRACE_VERSION, trace_path
+from .tracefile import KEY_CELL, KEY_MODULES, KEY_VERSION, TRACE_VERSION, trace_path
 
 
 @dataclass
@@ -118,44 +119,71 @@ def _read(path: Path) -> tuple[pa.Table, dict[str, Any], dict[str, dict[str, Any
     return table, cell, modules
 
 
-def _frame(table: pa.Table):
-    df = table.to_pandas()
-    df["prompt_id"] = df["prompt_id"].astype(str)
-    df["module"] = df["module"].astype(str)
-    return df
+def _codes(table: pa.Table, name: str) -> tuple[np.ndarray, list[str]]:
+    """A dictionary column as (codes, values), without building a string per row."""
+    arr = table.column(name).combine_chunks()
+    if not pa.types.is_dictionary(arr.type):
+        arr = arr.dictionary_encode()
+    return arr.indices.to_numpy(zero_copy_only=False).astype(np.int64), arr.dictionary.to_pylist()
+
+
+def _keys(table: pa.Table, prompts: dict[str, int], modules: dict[str, int], max_pos: int) -> np.ndarray:
+    """(prompt, module, pos) of each row as one int64, in a numbering both traces share."""
+    p_codes, p_values = _codes(table, "prompt_id")
+    m_codes, m_values = _codes(table, "module")
+    p = np.array([prompts[v] for v in p_values], dtype=np.int64)[p_codes]
+    m = np.array([modules[v] for v in m_values], dtype=np.int64)[m_codes]
+    pos = table.column("pos").to_numpy().astype(np.int64)
+    return (p * len(modules) + m) * (max_pos + 1) + pos
+
+
+def _samples(table: pa.Table, rows: np.ndarray) -> np.ndarray:
+    flat = table.column("sample").combine_chunks().flatten().to_numpy()
+    return flat.reshape(len(table), -1)[rows]
 
 
 def locate(path_a: str | Path, path_b: str | Path) -> LocateResult:
     pa_, pb_ = trace_path(path_a), trace_path(path_b)
     ta, cell_a, mods_a = _read(pa_)
     tb, cell_b, mods_b = _read(pb_)
-    a, b = _frame(ta), _frame(tb)
+    prompt_names = sorted(set(_codes(ta, "prompt_id")[1]) | set(_codes(tb, "prompt_id")[1]))
+    module_names = sorted(set(_codes(ta, "module")[1]) | set(_codes(tb, "module")[1]))
+    prompts = {v: i for i, v in enumerate(prompt_names)}
+    codes = {v: i for i, v in enumerate(module_names)}
+    max_pos = max([int(pc.max(t.column("pos")).as_py() or 0) for t in (ta, tb) if len(t)] or [0])
+    if len(prompts) * len(codes) * (max_pos + 1) >= 1 << 62:
+        raise InputError(f"{pa_}: too many prompts, modules and positions to align in one key")
+    ka, kb = _keys(ta, prompts, codes, max_pos), _keys(tb, prompts, codes, max_pos)
+    _, ia, ib = np.intersect1d(ka, kb, assume_unique=True, return_indices=True)
+    key = ka[ia]
+    module = (key // (max_pos + 1)) % len(codes)
     shared = [n for n in mods_a if n in mods_b]
-    merged = a.merge(b, on=["prompt_id", "pos", "module"], suffixes=("_a", "_b"))
-    merged = merged[merged["module"].isin(shared)]
-    differ = (merged["digest_a"].to_numpy() != merged["digest_b"].to_numpy())
-    merged = merged.assign(differ=differ)
+    keep = np.isin(module, [codes[n] for n in shared if n in codes])
+    ia, ib, key, module = ia[keep], ib[keep], key[keep], module[keep]
+    prompt, pos = key // (max_pos + 1) // len(codes), key % (max_pos + 1)
+    differ = ta.column("digest").to_numpy()[ia] != tb.column("digest").to_numpy()[ib]
 
     modules = []
     for name in sorted(shared, key=lambda n: mods_a[n]["order"]):
-        rows = merged[merged["module"] == name]
-        d = rows[rows["differ"]]
+        rows = module == codes.get(name, -1)
+        d = np.flatnonzero(rows & differ)
         max_ulp = nan = 0
         if len(d):
-            sa, sb = np.stack(d["sample_a"].to_numpy()), np.stack(d["sample_b"].to_numpy())
-            u = ulp_distance_bits(sa, sb, mods_a[name]["dtype"])
+            u = ulp_distance_bits(_samples(ta, ia[d]), _samples(tb, ib[d]), mods_a[name]["dtype"])
             max_ulp, nan = int(u.distance.max()), int(u.nan_vs_number.sum())
         modules.append(ModuleDiff(name=name, order=int(mods_a[name]["order"]), style=mods_a[name].get("style"),
-                                  compared=len(rows), differing=len(d), max_ulp=max_ulp, nan_mismatch=nan))
-    order_of = {m.name: m.order for m in modules}
-    first: dict[str, tuple[str, int] | None] = {}
-    for pid, rows in merged.groupby("prompt_id"):
-        d = rows[rows["differ"]]
-        if not len(d):
-            first[pid] = None
-            continue
-        d = d.assign(o=d["module"].map(order_of)).sort_values(["o", "pos"])
-        first[pid] = (str(d["module"].iloc[0]), int(d["pos"].iloc[0]))
+                                 compared=int(rows.sum()), differing=len(d), max_ulp=max_ulp, nan_mismatch=nan))
+    # Per prompt, the differing row earliest in execution order, then in position.
+    order_of = np.full(len(codes), 1 << 30, dtype=np.int64)
+    for m in modules:
+        order_of[codes[m.name]] = m.order
+    first: dict[str, tuple[str, int] | None] = {prompt_names[p]: None for p in np.unique(prompt)}
+    d = np.flatnonzero(differ)
+    d = d[np.lexsort((pos[d], order_of[module[d]], prompt[d]))]
+    if len(d):
+        lead = d[np.concatenate(([True], prompt[d][1:] != prompt[d][:-1]))]
+        for i in lead:
+            first[prompt_names[prompt[i]]] = (module_names[module[i]], int(pos[i]))
     only = sorted(set(mods_a) ^ set(mods_b))
     disagreements = _rank_disagreements("A", cell_a, mods_a) + _rank_disagreements("B", cell_b, mods_b)
     return LocateResult(str(pa_), str(pb_), cell_a, cell_b, modules, first, only, disagreements)

@@ -16,11 +16,8 @@ disagree on a replicated output are counted per module, a finding of their own.
 
 from __future__ import annotations
 
-import json
-import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from functools import lru_cache
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -30,35 +27,10 @@ import torch.distributed as dist
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from .digest import row_digest
+from .tracefile import SAMPLES, SCHEMA, ModuleInfo
 
-TRACE_VERSION = 1
-SAMPLES = 8  # features per row whose bits are kept, evenly spaced over the whole row
-KEY_VERSION = "repaudit.trace_version"
-KEY_CELL = "repaudit.cell"
-KEY_MODULES = "repaudit.trace_modules"
-
-SCHEMA = pa.schema([
-    pa.field("prompt_id", pa.dictionary(pa.int32(), pa.string()), nullable=False),
-    pa.field("pos", pa.int32(), nullable=False),
-    pa.field("module", pa.dictionary(pa.int32(), pa.string()), nullable=False),
-    pa.field("order", pa.int32(), nullable=False),
-    pa.field("digest", pa.uint64(), nullable=False),
-    pa.field("sample", pa.list_(pa.uint32(), SAMPLES), nullable=False),
-])
 _BITS = {torch.float32: (torch.int32, 0xFFFFFFFF, "float32"), torch.bfloat16: (torch.int16, 0xFFFF, "bfloat16"),
          torch.float16: (torch.int16, 0xFFFF, "float16")}
-
-
-@dataclass
-class ModuleInfo:
-    name: str
-    order: int  # first-call order in a forward pass: execution order
-    dtype: str
-    features: int  # of the whole (unsharded) output row
-    sharded: bool
-    style: str | None  # the module's TP style, when the model's plan names one
-    ranks_disagree: int = 0  # rows of a replicated output whose bits are not the same on every rank
-    first_disagreement: dict[str, Any] | None = None  # {"prompt_id", "pos"} of the first such row
 
 
 @dataclass
@@ -275,16 +247,3 @@ def _declared_layouts(style: str) -> tuple[bool | None, bool | None]:
 
     output = _UNDECLARED_OUTPUT.get(style, has_shard(getattr(layer, "output_layouts", None)))
     return has_shard(getattr(layer, "input_layouts", None)), output
-
-
-def trace_path(record_path: str | os.PathLike) -> Path:
-    p = Path(record_path)
-    return p if p.name.endswith(".trace.parquet") else p.with_name(p.name.removesuffix(".parquet") + ".trace.parquet")
-
-
-def write_trace(path: Path, table: pa.Table, modules: list[ModuleInfo], cell: dict[str, Any]) -> Path:
-    from .files import write_parquet_atomic
-
-    meta = {KEY_VERSION: str(TRACE_VERSION).encode(), KEY_CELL: json.dumps(cell, sort_keys=True).encode(),
-            KEY_MODULES: json.dumps([asdict(m) for m in modules]).encode()}
-    return write_parquet_atomic(path, table.replace_schema_metadata(meta))

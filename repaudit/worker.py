@@ -118,7 +118,7 @@ def _write(spec: JobSpec, cell: dict, rows: list[TokenRows], env: dict, traced) 
     path = cell_path(spec.out_dir, cell["id"])
     path.parent.mkdir(parents=True, exist_ok=True)
     if traced is not None:
-        from .trace import trace_path, write_trace
+        from .tracefile import trace_path, write_trace
 
         write_trace(trace_path(path), traced[0], traced[1], cell)
     with write_faults(cell["id"], 0):

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Idempotent set-up: a virtual environment in .venv with repaudit (editable) and its test
-# dependencies, pinned by constraints/cpu.txt; Chromium for the report screenshot test.
+# Idempotent set-up: a virtual environment in .venv with repaudit (editable), what `repaudit
+# run` needs (the [run] extra) and the test dependencies, pinned by constraints/cpu.txt;
+# Chromium for the report screenshot test.
 # Re-running is quick: nothing is reinstalled unless pyproject.toml or the pins changed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -12,7 +13,7 @@ if [ ! -x .venv/bin/python ]; then
 fi
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   .venv/bin/python -m pip install --quiet --upgrade pip
-  .venv/bin/python -m pip install --quiet -c constraints/cpu.txt -e '.[test]'
+  .venv/bin/python -m pip install --quiet -c constraints/cpu.txt -e '.[run,test]'
   echo "$want" > "$stamp"
 fi
 if ! command -v chromium >/dev/null 2>&1 && [ "${REPAUDIT_SKIP_CHROMIUM:-0}" != 1 ]; then

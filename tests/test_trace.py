@@ -19,7 +19,7 @@ from repaudit.locate import locate
 from repaudit.plan import Matrix
 from repaudit.records import load_frame
 from repaudit.run import RunOptions
-from repaudit.trace import SAMPLES, trace_path
+from repaudit.tracefile import SAMPLES, trace_path
 
 pytestmark = pytest.mark.slow
 

@@ -28,7 +28,8 @@ SCRIPT = textwrap.dedent('''
     from pathlib import Path
     import numpy as np, torch, torch.distributed as dist
     from transformers import AutoModelForCausalLM
-    from repaudit.trace import Tracer, write_trace
+    from repaudit.trace import Tracer
+    from repaudit.tracefile import write_trace
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     path, out, planted = sys.argv[1], Path(sys.argv[2]), sys.argv[3]

@@ -160,7 +160,7 @@ def build_run(run: RunInfo, thresholds: Thresholds, matrix_limit: int = MATRIX_L
 def _locates(pairs: list[PairOutcome]) -> list[tuple[str, str, Any]]:
     """`repaudit locate` for every compared pair whose two cells were traced (`run --trace`)."""
     from ..locate import locate
-    from ..trace import trace_path
+    from ..tracefile import trace_path
 
     out = []
     for p in pairs:
