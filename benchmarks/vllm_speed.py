@@ -4,8 +4,9 @@ logprobs); `plain_logprobs` the same with the logprobs a cell asks for (top-k, f
 vLLM's own logprobs cost shows apart from repaudit's conversion; `cell` is repaudit's vLLM engine as `repaudit run` calls it (top-k logprobs of every
 generated token, converted into record rows). Runs alternate, median of --runs.
 
-With stock first in --kernels, every later mode's row also gets `stock_plain_tok_s` and
-`ratio_vs_stock`: its cell against plain stock vLLM (what tbik through the plugin costs a user).
+With stock first in --kernels, every later mode's row also gets `stock_plain_tok_s`,
+`ratio_vs_stock` (its cell against plain stock vLLM) and `plain_ratio_vs_stock` (plain vLLM in
+this mode against plain stock vLLM: what tbik through the plugin costs a user's generation).
 
 One process per kernel mode (vLLM reads its switches at start-up), so the script starts itself
 once per mode with --one and gathers the rows:
@@ -145,6 +146,7 @@ def main() -> None:
         if stock is not None:
             row["stock_plain_tok_s"] = stock["plain_tok_s"]
             row["ratio_vs_stock"] = row["repaudit_tok_s"] / stock["plain_tok_s"]
+            row["plain_ratio_vs_stock"] = row["plain_tok_s"] / stock["plain_tok_s"]
         rows.append(row)
         print(json.dumps(row), flush=True)
         if args.json:  # row by row: a mode that outlives its time limit keeps the ones before it
