@@ -113,7 +113,7 @@ def run(
     batch_size: str = typer.Option("1,4", "--batch-size", help="batch sizes, e.g. 1,8,32"),
     nccl: str = typer.Option("default", "--nccl", help="NCCL presets: default, ring, tree, deterministic, or --nccl-set names"),
     nccl_set: list[str] = typer.Option([], "--nccl-set", help="define a preset: NAME:NCCL_VAR=VALUE[,NCCL_VAR=VALUE]"),
-    kernels: str = typer.Option("stock", "--kernels", help="kernel modes: stock, bi, tbik"),
+    kernels: str = typer.Option("stock,tbik", "--kernels", help="kernel modes: stock, bi, tbik"),
     mode: str = typer.Option("generate,score", "--mode", help="generate (greedy) and/or score (teacher forcing)"),
     probes: str = typer.Option("smoke", "--probes", help="probe suite name (smoke, default, chat) or path to a .jsonl"),
     max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", help="override every prompt's generation length"),

@@ -234,12 +234,27 @@ def _pos(x: int | None) -> str:
     return "—" if x is None else str(x)
 
 
+def short_names(cell_ids: list[str]) -> dict[str, str]:
+    """Cell id -> the parts of it that differ between the cells ("tp2 bs4 stock score" for
+    hf-tp2-bs4-default-stock-score among cells that all run hf with the default NCCL preset),
+    so a table fits an 80-column log; the failure lines below keep the full ids."""
+    parts = [c.split("-") for c in cell_ids]
+    if len({len(p) for p in parts}) != 1:
+        return {c: c for c in cell_ids}
+    keep = [i for i in range(len(parts[0])) if len({p[i] for p in parts}) > 1] if len(parts) > 1 else []
+    return {c: " ".join(p[i] for i in keep) or c for c, p in zip(cell_ids, parts)}
+
+
 def print_gate(g: GateResult, console: Console | None = None) -> None:
     """A compact table (one line per pair), then each failure with its reasons."""
+    from rich import box
+
     console = console or Console()
-    t = Table(title=f"repaudit gate: {g.suite}", header_style="bold")
-    for h in ("cell", "vs", "result", "bitwise-equal", "max ULP", "first div."):
-        t.add_column(h, overflow="fold", no_wrap=h != "vs")
+    names = short_names([p.cell for p in g.all_cases])
+    t = Table(title=f"repaudit gate: {g.suite}", title_justify="left", header_style="bold", box=box.SIMPLE_HEAD,
+              pad_edge=False)
+    for h in ("cell", "vs", "result", "bits equal", "max ULP", "1st div."):
+        t.add_column(h, no_wrap=True, justify="left" if h in ("cell", "vs", "result") else "right")
     for p in g.all_cases:
         r = p.result
         first = None
@@ -247,7 +262,7 @@ def print_gate(g: GateResult, console: Console | None = None) -> None:
             firsts = [x for d in r.shared_prompts for x in (d.first_token_divergence, d.first_logprob_divergence) if x is not None]
             first = min(firsts, default=None)
         t.add_row(
-            p.cell, "(ref)" if p.reference_only else (p.delta or p.reference),
+            names[p.cell], "(ref)" if p.reference_only else (p.delta or p.reference),
             "[green]pass[/]" if p.passed else "[red]FAIL[/]",
             pct(r.bitwise_equal, r.comparable) if r else "—", str(r.ulp_max) if r else "—",
             "—" if first is None else f"pos {first}",

@@ -25,6 +25,9 @@ def reference_pairs(plan: Plan) -> list[tuple[Cell, Cell]]:
     return [(cell, plan.reference_for(cell)) for cell in plan.cells]
 
 
+_SETTINGS = ("engine", "tp", "batch_size", "nccl", "kernels", "mode")
+
+
 def reference_delta(cell: Cell, reference: Cell) -> str:
     """The reference's settings where they differ from the cell's: "tp=1 bs=1"."""
     delta = [f"{k}={getattr(reference, k)}" for k in ("engine", "tp", "batch_size", "nccl", "kernels", "mode")
@@ -66,7 +69,7 @@ def summarize(plan: Plan, run_dir: Path, manifest: Manifest, thresholds: Thresho
     for cell, reference in reference_pairs(plan):
         entry = manifest.data["cells"].get(cell.id, {})
         row: dict[str, Any] = {
-            "cell": cell.id, "reference": reference.id, "reference_delta": reference_delta(cell, reference), "status": entry.get("status"), "reason": entry.get("reason"),
+            "cell": cell.id, "settings": {k: getattr(cell, k) for k in _SETTINGS}, "reference": reference.id, "reference_delta": reference_delta(cell, reference), "status": entry.get("status"), "reason": entry.get("reason"),
             "seconds": entry.get("seconds"), "tokens_per_s": _rate(entry.get("timing"), cell.mode),
             "timing": entry.get("timing"), "ranks_differ": entry.get("ranks_differ"),
         }
@@ -137,19 +140,48 @@ def table_rows(summary: dict[str, Any]) -> list[list[str]]:
 HEADER = ["cell", "reference", "status", "bitwise-equal", "max ULP", "max |Δ lp|", "first divergence", "seq match", "tok/s"]
 
 
+def verdicts(summary: dict[str, Any]) -> list[tuple[str, int, int]]:
+    """(kernel mode, cells bitwise identical to their reference, cells compared), in run order."""
+    out: dict[str, list[int]] = {}
+    for r in summary["cells"]:
+        if r["cell"] != r["reference"] and "identical" in r:
+            n = out.setdefault(r["settings"]["kernels"], [0, 0])
+            n[0] += r["identical"]
+            n[1] += 1
+    return [(k, same, total) for k, (same, total) in out.items()]
+
+
+def _label(settings: dict[str, Any], varying: list[str]) -> str:
+    names = {"tp": "tp{}", "batch_size": "bs{}", "engine": "{}", "nccl": "{}"}
+    return " ".join(names[k].format(settings[k]) for k in varying) or "—"
+
+
 def print_summary(summary: dict[str, Any], console: Console) -> None:
-    """A compact view for the terminal; summary.md has every column."""
-    t = Table(title=f"each cell vs its reference (baseline {summary['baseline']}; same {', '.join(summary['reference_per'])})",
-              header_style="bold")
-    for h in ("cell", "vs", "bitwise-equal", "max ULP", "first div.", "seq match", "tok/s"):
-        t.add_column(h, overflow="fold", no_wrap=h == "cell")
-    for r, row in zip(summary["cells"], table_rows(summary)):
-        vs = "(ref)" if r["cell"] == r["reference"] else r["reference_delta"]
-        first = r.get("first_logprob_divergence_min")
-        status = "" if r["status"] == "done" else f" [red]{r['status']}[/]"
-        t.add_row(r["cell"] + status, vs, row[3], row[4], "—" if first is None else f"pos {first}", row[7], row[8])
-    console.print(t)
-    console.print(f"{summary['identical_cells']}/{summary['compared_cells']} cells bitwise identical to their reference")
+    """One short table per kernel mode and mode (a cell named by the settings that vary), so a
+    log 80 columns wide shows every column whole; summary.md has every column and full names.
+    Then the verdict per kernel mode."""
+    from rich import box
+
+    cells = summary["cells"]
+    varying = [k for k in ("engine", "tp", "batch_size", "nccl") if len({str(r["settings"][k]) for r in cells}) > 1]
+    groups: dict[tuple[str, str], list[tuple[dict[str, Any], list[str]]]] = {}
+    for r, row in zip(cells, table_rows(summary)):
+        groups.setdefault((r["settings"]["kernels"], r["settings"]["mode"]), []).append((r, row))
+    for (kernels, mode), rows in groups.items():
+        t = Table(title=f"{kernels}, {mode}: each cell vs its reference", title_justify="left", box=box.SIMPLE_HEAD,
+                  header_style="bold", pad_edge=False)
+        for h in ("cell", "vs", "bits equal", "max ULP", "1st div.", "seq match", "tok/s"):
+            t.add_column(h, no_wrap=True, justify="left" if h in ("cell", "vs") else "right")
+        for r, row in rows:
+            vs = "(reference)" if r["cell"] == r["reference"] else r["reference_delta"]
+            first = r.get("first_logprob_divergence_min")
+            status = "" if r["status"] == "done" else f" [red]{r['status'] or 'pending'}[/]"
+            t.add_row(_label(r["settings"], varying) + status, vs, row[3], row[4], "—" if first is None else f"pos {first}",
+                      row[7], row[8])
+        console.print(t)
+    for kernels, same, total in verdicts(summary):
+        colour = "green" if same == total else "red"
+        console.print(f"[bold {colour}]{kernels}: {same} of {total} cells bitwise identical to their reference[/]")
 
 
 def summary_markdown(summary: dict[str, Any]) -> str:

@@ -244,3 +244,34 @@ def test_groups_side_by_side_give_the_records_of_groups_one_by_one(matrix_run: P
     assert sorted(len(ids) for ids in slots) == [1, 2]
     for path in sorted((matrix_run / "cells").glob("*.parquet")):
         assert _sha(path) == _sha(out / "cells" / path.name), path.name
+
+
+def test_the_run_summary_reads_whole_in_an_80_column_log(matrix_run: Path):
+    """No column is broken into fragments in a log that is not a terminal; the verdict per kernel
+    mode closes it."""
+    import io
+
+    from rich.console import Console
+
+    from repaudit.gate import short_names
+    from repaudit.render import pct
+    from repaudit.summary import print_summary
+
+    summary = json.loads((matrix_run / "summary.json").read_text())
+    buf = io.StringIO()
+    print_summary(summary, Console(file=buf, width=80, force_terminal=False, color_system=None))
+    lines = buf.getvalue().splitlines()
+    assert max(len(line) for line in lines) <= 80
+    rows = [line.split() for line in lines]
+    # stock, score: "tp2 bs4  tp=1 bs=1  <bits equal> <max ULP> pos <n> <seq match> <tok/s>" on one line each
+    compared = [r for r in summary["cells"] if r["cell"] != r["reference"]]
+    assert len(compared) == 6
+    for r in compared:
+        s, delta = r["settings"], r["reference_delta"].split()
+        mine = [row for row in rows if row[:2] == [f"tp{s['tp']}", f"bs{s['batch_size']}"] and row[2:2 + len(delta)] == delta
+                and pct(r["bitwise_equal"], r["compared"]) in row]
+        assert mine, r["cell"]
+    assert lines[-1] == "stock: 0 of 6 cells bitwise identical to their reference"
+    ids = [r["cell"] for r in summary["cells"]]
+    assert short_names(ids)["hf-tp2-bs4-default-stock-score"] == "tp2 bs4 score"
+    assert short_names(["a-b", "c"]) == {"a-b": "a-b", "c": "c"}  # ids of other shapes stay whole
