@@ -190,6 +190,11 @@ def test_run_report_with_failures_divergence_and_hostile_text(tmp_path, capsys):
     md = (run / "report.md").read_text()
     assert "<script" not in html and "&lt;script&gt;alert(&#x27;x&#x27;)&lt;/script&gt;" in html
     assert _html_problems(html) == []
+    # the first screen: a square per cell against (TP, batch, NCCL), green or red, the reference in grey
+    grid = re.search(r'<table class="grid">.*?</table>', html, re.S).group(0)
+    assert grid.count('<td class="fail"') == 3 and grid.count('<td class="pass"') == 0
+    assert grid.count('<td class="ref">reference</td>') == 1 and "did not complete" in grid and "14/15" not in grid
+    assert html.index('<table class="grid">') < html.index('<ul>')  # the grid, then the failure list
     assert "&lt;script&gt;alert('x')&lt;/script&gt; \\| \\`tick\\` &amp; &lt;b&gt;" in md  # a Markdown table cell
     # the numbers: exact counts and truncated rates
     assert "14/15 (93.33%)" in html and "14/15 (93.33%)" in md

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from html import escape
 from typing import Any, Iterable
 
@@ -50,6 +52,11 @@ tr.fail td:first-child { box-shadow: inset 3px 0 var(--fail); } tr.pass td:first
 .badge { display: inline-block; padding: 0 7px; border-radius: 10px; font-size: 11.5px; font-weight: 700; white-space: nowrap; }
 .badge.pass { background: var(--pass-bg); color: var(--pass); } .badge.fail { background: var(--fail-bg); color: var(--fail); }
 .badge.warn { background: var(--warn-bg); color: var(--warn); }
+table.grid { margin: 10px 0; border-collapse: separate; border-spacing: 3px; font-size: 12.5px; }
+table.grid th { font-weight: 600; text-align: center; padding: 2px 8px; color: #334155; }
+table.grid td { text-align: center; padding: 4px 8px; border-radius: 4px; font-weight: 700; min-width: 64px; }
+table.grid td.pass { background: #bbf7d0; color: #14532d; } table.grid td.fail { background: #fecaca; color: #7f1d1d; }
+table.grid td.ref { background: #e2e8f0; color: #475569; font-weight: 400; }
 .reasons { color: var(--fail); font-size: 11.5px; }
 tr.why td { border-top: none; padding-top: 0; padding-left: 22px; }
 tr.fail:not(.why):has(+ tr.why) td { border-bottom: none; }
@@ -97,6 +104,39 @@ def _td(x: Any, cls: str = "", raw: bool = False, title: str = "") -> str:
 # ------------------------------------------------------------------------------ sections
 
 
+_CELL_ID = re.compile(r"^(?P<engine>[^-]+)-tp(?P<tp>\d+)-bs(?P<bs>\d+)-(?P<nccl>.+)-(?P<kernels>[^-]+)-(?P<mode>[^-]+)$")
+
+
+def _grid(data: ReportData) -> str:
+    """The verdicts at a glance: a row per (engine, kernel mode, mode), a column per (TP, batch
+    size, NCCL preset); each square is that cell against its reference, green or red."""
+    cases = [p for p in data.gate.all_cases if _CELL_ID.match(p.cell)]
+    if data.kind != "run" or not cases:
+        return ""
+    parts = {p.cell: _CELL_ID.match(p.cell).groupdict() for p in cases}
+    many_engines = len({v["engine"] for v in parts.values()}) > 1
+    row_key = lambda v: ((v["engine"],) if many_engines else ()) + (v["kernels"], v["mode"])  # noqa: E731
+    col_key = lambda v: (int(v["tp"]), int(v["bs"]), v["nccl"])  # noqa: E731
+    ref_at = {(row_key(m.groupdict()), col_key(m.groupdict())) for m in map(_CELL_ID.match, {p.reference for p in cases}) if m}
+    rows = list(dict.fromkeys([row_key(v) for v in parts.values()] + [r for r, _ in sorted(ref_at)]))
+    cols = sorted({col_key(v) for v in parts.values()} | {c for _, c in ref_at})
+    by = {(row_key(parts[p.cell]), col_key(parts[p.cell])): p for p in cases}
+    head = "".join(f"<th>TP {tp}<br>bs {bs}<br>{e(nccl)}</th>" for tp, bs, nccl in cols)
+    body = []
+    for r in rows:
+        tds = []
+        for c in cols:
+            p = by.get((r, c))
+            if p is None:  # a reference cell has a square of its own only when it failed
+                tds.append('<td class="ref">reference</td>' if (r, c) in ref_at else "<td></td>")
+                continue
+            rate = pct(p.result.bitwise_equal, p.result.comparable) if p.result is not None else "did not complete"
+            tds.append(f'<td class="{"pass" if p.passed else "fail"}" title="{e(p.cell)} vs {e(p.reference)}">'
+                       f'{"pass" if p.passed else "FAIL"}<br><span class="sub">{e(rate)}</span></td>')
+        body.append(f"<tr><th>{e(' '.join(r))}</th>{''.join(tds)}</tr>")
+    return f'<table class="grid"><tr><th></th>{head}</tr>{"".join(body)}</table>'
+
+
 def _header(data: ReportData) -> str:
     facts = "".join(f"<dt>{e(k)}</dt><dd>{e(v)}</dd>" for k, v in data.facts)
     text, tone = verdict(data)
@@ -117,7 +157,7 @@ def _header(data: ReportData) -> str:
         links = [x for x in links if x[0] not in ("matrix", "speed")]
     nav = "<nav>" + "".join(f'<a href="#{k}">{e(v)}</a>' for k, v in links) + "</nav>"
     return (f"<header><h1>{e(data.title)}</h1><dl class=\"facts\">{facts}</dl>{nav}</header>"
-            f'<div class="verdict {tone}" id="verdict">{e(text)}{reasons}</div><div class="tiles">{tl}</div>')
+            f'<div class="verdict {tone}" id="verdict">{e(text)}{_grid(data)}{reasons}</div><div class="tiles">{tl}</div>')
 
 
 def _pairs(data: ReportData) -> str:
