@@ -119,7 +119,7 @@ class RLMetrics:
     flip_margin_p50: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {f.name: list(self.clip) if f.name == "clip" else _json_float(getattr(self, f.name)) for f in fields(self)}
+        return {f.name: list(self.clip) if f.name == "clip" else json_float(getattr(self, f.name)) for f in fields(self)}
 
 
 @dataclass
@@ -245,7 +245,7 @@ class DiffResult:
             "a": _meta_summary(self.a),
             "b": _meta_summary(self.b),
             "verdict": {"passed": self.passed, "identical": self.identical, "reasons": self.reasons},
-            "thresholds": {k: _json_float(v) for k, v in asdict(self.thresholds).items()},
+            "thresholds": {k: json_float(v) for k, v in asdict(self.thresholds).items()},
             "rows": {
                 "a": self.rows_a, "b": self.rows_b, "matched": self.matched, "comparable": self.comparable,
                 "after_divergence": self.after_divergence, "unmatched_a": self.unmatched_a,
@@ -255,8 +255,8 @@ class DiffResult:
                 "bitwise_equal": self.bitwise_equal, "bitwise_equal_rate": self.bitwise_equal_rate,
                 "nan_vs_number": self.nan_vs_number, "nan_payload_differs": self.nan_payload_differs,
                 "ulp_max": self.ulp_max, "ulp_mean": self.ulp_mean, "ulp_p50": self.ulp_p50,
-                "ulp_p99": self.ulp_p99, "abs_max": _json_float(self.abs_max),
-                "abs_mean": _json_float(self.abs_mean), "prob_max": _json_float(self.prob_max),
+                "ulp_p99": self.ulp_p99, "abs_max": json_float(self.abs_max),
+                "abs_mean": json_float(self.abs_mean), "prob_max": json_float(self.prob_max),
             },
             "digest": {"compared": self.digest_compared, "equal": self.digest_equal, "equal_rate": self.digest_equal_rate,
                        "only_a": self.digest_only_a, "only_b": self.digest_only_b},
@@ -285,7 +285,7 @@ class DiffResult:
         }
 
 
-def _json_float(x: Any) -> Any:
+def json_float(x: Any) -> Any:
     """JSON has no inf or NaN: a non-finite float (|Δ| against a ±inf logprob) becomes "inf" / "-inf" / "nan"."""
     if isinstance(x, float) and not math.isfinite(x):
         return "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")

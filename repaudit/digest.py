@@ -12,10 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-_SEED = 0x5EED_0F_7B1C
-_GOLDEN = 0x9E3779B97F4A7C15
-_M1 = 0xBF58476D1CE4E5B9
-_M2 = 0x94D049BB133111EB
+from .digest_params import GOLDEN, M1, M2, SEED
 
 
 def _signed(c: int) -> int:
@@ -26,14 +23,14 @@ def _signed(c: int) -> int:
 
 
 def _np_mix(z: np.ndarray) -> np.ndarray:
-    z = (z ^ (z >> np.uint64(30))) * np.uint64(_M1)
-    z = (z ^ (z >> np.uint64(27))) * np.uint64(_M2)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(M1)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(M2)
     return z ^ (z >> np.uint64(31))
 
 
 def _np_keys(n: int) -> np.ndarray:
     with np.errstate(over="ignore"):
-        return _np_mix(np.arange(n, dtype=np.uint64) + np.uint64(_SEED) + np.uint64(_GOLDEN))
+        return _np_mix(np.arange(n, dtype=np.uint64) + np.uint64(SEED) + np.uint64(GOLDEN))
 
 
 def numpy_row_digest(rows: np.ndarray) -> np.ndarray:
@@ -55,15 +52,15 @@ def _lsr(torch, z, s: int):
 
 
 def _torch_mix(torch, z):
-    z = (z ^ _lsr(torch, z, 30)) * _signed(_M1)
-    z = (z ^ _lsr(torch, z, 27)) * _signed(_M2)
+    z = (z ^ _lsr(torch, z, 30)) * _signed(M1)
+    z = (z ^ _lsr(torch, z, 27)) * _signed(M2)
     return z ^ _lsr(torch, z, 31)
 
 
 def _torch_keys(torch, n: int, device, offset: int = 0):
     key = (n, offset, str(device))
     if key not in _KEY_CACHE:
-        base = torch.arange(offset, offset + n, dtype=torch.int64, device=device) + _signed((_SEED + _GOLDEN) % (1 << 64))
+        base = torch.arange(offset, offset + n, dtype=torch.int64, device=device) + _signed((SEED + GOLDEN) % (1 << 64))
         _KEY_CACHE[key] = _torch_mix(torch, base)
     return _KEY_CACHE[key]
 

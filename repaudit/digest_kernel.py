@@ -15,10 +15,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .digest import _GOLDEN, _M1, _M2, _SEED
+from .digest_params import GOLDEN, M1, M2, SEED
 
-_BASE = (_SEED + _GOLDEN) % (1 << 64)
-assert (_M1, _M2) == (0xBF58476D1CE4E5B9, 0x94D049BB133111EB)  # the literals in _mix below
+_BASE = (SEED + GOLDEN) % (1 << 64)
+assert (M1, M2) == (0xBF58476D1CE4E5B9, 0x94D049BB133111EB)  # the literals in _mix below
 _INT_VIEW = {torch.float32: (torch.int32, 0xFFFFFFFF), torch.bfloat16: (torch.int16, 0xFFFF),
              torch.float16: (torch.int16, 0xFFFF)}
 

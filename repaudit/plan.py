@@ -237,3 +237,14 @@ def validate_against_model(plan: Plan, shape: ModelShape, visible_devices: int |
             for layer, style in sorted(shape.tp_styles.items()):
                 if style not in INVARIANT_STYLES:
                     raise InputError(f"--kernels {','.join(invariant)}: layer {layer!r} (TP style {style!r}) is not covered by the tbik kernels")
+
+
+def expand_with(plan: Plan, extra: Cell) -> Plan:
+    """The plan plus the cell that makes the score references, placed first in its group."""
+    groups = []
+    for g in plan.groups:  # the baseline's group, which runs first
+        if g.cells[0].group_key == extra.group_key:
+            g = replace(g, cells=(extra,) + g.cells)
+        groups.append(g)
+    return replace(plan, cells=plan.cells + (extra,), groups=tuple(groups),
+                   notes=plan.notes + (f"score references come from {extra.id} (added to the matrix)",))

@@ -30,7 +30,7 @@ from .jobspec import JobSpec, PromptSpec, cell_path
 from .events import EventReader
 from .files import write_text_atomic
 from .launch import CellOutcome, GroupOutcome, Rendezvous, run_group
-from .plan import Cell, Matrix, ModelShape, Plan, expand, validate_against_model
+from .plan import Cell, Matrix, ModelShape, Plan, expand, expand_with, validate_against_model
 from .probes import Suite, load_suite
 from .records import RecordMeta, read_meta
 from .rundir import Manifest, RunLock, remove_partial_files
@@ -374,19 +374,6 @@ def _check_inplace(plan: Plan) -> None:
         raise InputError(f"inside torchrun with WORLD_SIZE={world}, every TP size must be {world}; got {wrong}")
     if len(plan.matrix.nccl) > 1:
         raise InputError("inside torchrun, NCCL is set up once per process: give one --nccl preset per launch")
-
-
-def expand_with(plan: Plan, extra: Cell) -> Plan:
-    """The plan plus the cell that makes the score references, placed first in its group."""
-    from dataclasses import replace
-
-    groups = []
-    for g in plan.groups:  # the baseline's group, which runs first
-        if g.cells[0].group_key == extra.group_key:
-            g = replace(g, cells=(extra,) + g.cells)
-        groups.append(g)
-    return replace(plan, cells=plan.cells + (extra,), groups=tuple(groups),
-                   notes=plan.notes + (f"score references come from {extra.id} (added to the matrix)",))
 
 
 def _matrix_json(plan: Plan) -> dict[str, Any]:

@@ -8,11 +8,11 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from .diff import Thresholds, _json_float, diff_records
+from .diff import Thresholds, json_float, diff_records
 from .errors import InputError
 from .files import write_json_atomic, write_text_atomic
 from .jobspec import cell_path
-from .plan import Cell, Matrix, Plan, expand
+from .plan import Cell, Matrix, Plan, expand, expand_with
 from .render import pct
 from .rundir import Manifest
 
@@ -38,8 +38,6 @@ def reference_delta(cell: Cell, reference: Cell) -> str:
 def plan_from_manifest(data: dict[str, Any]) -> Plan:
     """The plan a run directory was made with, rebuilt from its manifest (matrix, baseline and
     the score-reference cell that `repaudit run` adds when the matrix lacks it)."""
-    from .run import expand_with
-
     try:
         m = data["matrix"]
         matrix = Matrix(
@@ -80,8 +78,8 @@ def summarize(plan: Plan, run_dir: Path, manifest: Manifest, thresholds: Thresho
             first_tok = [p.first_token_divergence for p in r.shared_prompts if p.first_token_divergence is not None]
             row.update({
                 "compared": r.comparable, "bitwise_equal": r.bitwise_equal, "bitwise_equal_rate": r.bitwise_equal_rate,
-                "digest_equal_rate": r.digest_equal_rate, "ulp_max": r.ulp_max, "abs_max": _json_float(r.abs_max),
-                "prob_max": _json_float(r.prob_max), "seq_token_match_rate": r.seq_token_match_rate,
+                "digest_equal_rate": r.digest_equal_rate, "ulp_max": r.ulp_max, "abs_max": json_float(r.abs_max),
+                "prob_max": json_float(r.prob_max), "seq_token_match_rate": r.seq_token_match_rate,
                 "seq_bitwise_match_rate": r.seq_bitwise_match_rate, "top1_agreement": r.top1_agreement,
                 "first_logprob_divergence_min": min(first) if first else None,
                 "first_token_divergence_min": min(first_tok) if first_tok else None,

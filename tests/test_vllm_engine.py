@@ -13,7 +13,7 @@ import pytest
 
 from repaudit.engines import vllm_engine, vllm_plugin
 from repaudit.plan import Matrix, expand
-from repaudit.run import expand_with
+from repaudit.plan import expand_with
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 
