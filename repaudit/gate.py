@@ -21,10 +21,9 @@ from rich.table import Table
 from .diff import DiffResult, Thresholds, diff_records
 from .errors import InputError
 from .jobspec import cell_path
-from .plan import Plan
+from .plan import Plan, plan_from_manifest, reference_delta, reference_pairs
 from .render import metric_rows, pct, verdict_line
 from .rundir import Manifest
-from .summary import plan_from_manifest, reference_delta, reference_pairs
 
 
 @dataclass

@@ -248,3 +248,41 @@ def expand_with(plan: Plan, extra: Cell) -> Plan:
         groups.append(g)
     return replace(plan, cells=plan.cells + (extra,), groups=tuple(groups),
                    notes=plan.notes + (f"score references come from {extra.id} (added to the matrix)",))
+
+
+def reference_pairs(plan: Plan) -> list[tuple[Cell, Cell]]:
+    """(cell, reference) for every cell of the plan, in plan order; a reference is paired with itself.
+
+    The one place that decides what each cell is compared with: summary.json, `repaudit gate`
+    and `repaudit report` all use it."""
+    return [(cell, plan.reference_for(cell)) for cell in plan.cells]
+
+
+CELL_SETTINGS = ("engine", "tp", "batch_size", "nccl", "kernels", "mode")
+
+
+def reference_delta(cell: Cell, reference: Cell) -> str:
+    """The reference's settings where they differ from the cell's: "tp=1 bs=1"."""
+    delta = [f"{k}={getattr(reference, k)}" for k in CELL_SETTINGS if getattr(reference, k) != getattr(cell, k)]
+    return " ".join(delta).replace("batch_size", "bs")
+
+
+def plan_from_manifest(data: dict[str, Any]) -> Plan:
+    """The plan a run directory was made with, rebuilt from its manifest (matrix, baseline and
+    the score-reference cell that `repaudit run` adds when the matrix lacks it)."""
+    try:
+        m = data["matrix"]
+        matrix = Matrix(
+            model=data["model"]["id"], engines=tuple(m["engines"]), tps=tuple(m["tp"]),
+            batch_sizes=tuple(m["batch_size"]), nccl=dict(m["nccl"]), kernels=tuple(m["kernels"]),
+            modes=tuple(m["mode"]), dtype=m["dtype"], device=m["device"], probes=m["probes"],
+            max_new_tokens=m["max_new_tokens"], topk=m["topk"], baseline=data["baseline"],
+            reference_per=tuple(m["reference_per"]),
+        )
+    except (KeyError, TypeError) as exc:
+        raise InputError(f"manifest has no complete matrix (missing {exc}); was the run started?") from None
+    plan = expand(matrix)
+    extra = data.get("reference_cell")
+    if extra and extra not in {c.id for c in plan.cells}:
+        plan = expand_with(plan, plan.reference_source)
+    return plan

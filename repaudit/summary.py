@@ -8,52 +8,12 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from .diff import Thresholds, json_float, diff_records
-from .errors import InputError
+from .diff import Thresholds, json_float
 from .files import write_json_atomic, write_text_atomic
-from .jobspec import cell_path
-from .plan import Cell, Matrix, Plan, expand, expand_with
+from .gate import RunInfo, gate_run
+from .plan import CELL_SETTINGS, Plan, reference_delta, reference_pairs
 from .render import pct
 from .rundir import Manifest
-
-
-def reference_pairs(plan: Plan) -> list[tuple[Cell, Cell]]:
-    """(cell, reference) for every cell of the plan, in plan order; a reference is paired with itself.
-
-    The one place that decides what each cell is compared with: summary.json, `repaudit gate`
-    and `repaudit report` all use it."""
-    return [(cell, plan.reference_for(cell)) for cell in plan.cells]
-
-
-_SETTINGS = ("engine", "tp", "batch_size", "nccl", "kernels", "mode")
-
-
-def reference_delta(cell: Cell, reference: Cell) -> str:
-    """The reference's settings where they differ from the cell's: "tp=1 bs=1"."""
-    delta = [f"{k}={getattr(reference, k)}" for k in ("engine", "tp", "batch_size", "nccl", "kernels", "mode")
-             if getattr(reference, k) != getattr(cell, k)]
-    return " ".join(delta).replace("batch_size", "bs")
-
-
-def plan_from_manifest(data: dict[str, Any]) -> Plan:
-    """The plan a run directory was made with, rebuilt from its manifest (matrix, baseline and
-    the score-reference cell that `repaudit run` adds when the matrix lacks it)."""
-    try:
-        m = data["matrix"]
-        matrix = Matrix(
-            model=data["model"]["id"], engines=tuple(m["engines"]), tps=tuple(m["tp"]),
-            batch_sizes=tuple(m["batch_size"]), nccl=dict(m["nccl"]), kernels=tuple(m["kernels"]),
-            modes=tuple(m["mode"]), dtype=m["dtype"], device=m["device"], probes=m["probes"],
-            max_new_tokens=m["max_new_tokens"], topk=m["topk"], baseline=data["baseline"],
-            reference_per=tuple(m["reference_per"]),
-        )
-    except (KeyError, TypeError) as exc:
-        raise InputError(f"manifest has no complete matrix (missing {exc}); was the run started?") from None
-    plan = expand(matrix)
-    extra = data.get("reference_cell")
-    if extra and extra not in {c.id for c in plan.cells}:
-        plan = expand_with(plan, plan.reference_source)
-    return plan
 
 
 def _rate(timing: dict[str, Any] | None, mode: str) -> float | None:
@@ -63,19 +23,28 @@ def _rate(timing: dict[str, Any] | None, mode: str) -> float | None:
 
 
 def summarize(plan: Plan, run_dir: Path, manifest: Manifest, thresholds: Thresholds) -> dict[str, Any]:
+    """summary.json: the gate's comparison of every cell with its reference (repaudit.gate.gate_run,
+    the one comparison and the one verdict that `repaudit gate` and the report use too), with
+    each cell's settings and timings from the manifest."""
+    gate = gate_run(RunInfo(run_dir, manifest.data, plan), thresholds)
+    outcome = {p.cell: p for p in gate.pairs}
     rows = []
     for cell, reference in reference_pairs(plan):
         entry = manifest.data["cells"].get(cell.id, {})
         row: dict[str, Any] = {
-            "cell": cell.id, "settings": {k: getattr(cell, k) for k in _SETTINGS}, "reference": reference.id, "reference_delta": reference_delta(cell, reference), "status": entry.get("status"), "reason": entry.get("reason"),
+            "cell": cell.id, "settings": {k: getattr(cell, k) for k in CELL_SETTINGS}, "reference": reference.id,
+            "reference_delta": reference_delta(cell, reference), "status": entry.get("status"), "reason": entry.get("reason"),
             "seconds": entry.get("seconds"), "tokens_per_s": _rate(entry.get("timing"), cell.mode),
             "timing": entry.get("timing"), "ranks_differ": entry.get("ranks_differ"),
         }
-        a, b = cell_path(run_dir, reference.id), cell_path(run_dir, cell.id)
-        if entry.get("status") == "done" and a.exists() and b.exists():
-            r = diff_records(a, b, thresholds=thresholds)
-            first = [p.first_logprob_divergence for p in r.shared_prompts if p.first_logprob_divergence is not None]
-            first_tok = [p.first_token_divergence for p in r.shared_prompts if p.first_token_divergence is not None]
+        p = outcome.get(cell.id)
+        if p is not None:
+            row.update({"passed": p.passed, "identical": p.failure is None and p.result is not None and p.result.identical,
+                        "reasons": p.reasons})
+        if p is not None and p.result is not None:
+            r = p.result
+            first = [d.first_logprob_divergence for d in r.shared_prompts if d.first_logprob_divergence is not None]
+            first_tok = [d.first_token_divergence for d in r.shared_prompts if d.first_token_divergence is not None]
             row.update({
                 "compared": r.comparable, "bitwise_equal": r.bitwise_equal, "bitwise_equal_rate": r.bitwise_equal_rate,
                 "digest_equal_rate": r.digest_equal_rate, "ulp_max": r.ulp_max, "abs_max": json_float(r.abs_max),
@@ -84,22 +53,20 @@ def summarize(plan: Plan, run_dir: Path, manifest: Manifest, thresholds: Thresho
                 "first_logprob_divergence_min": min(first) if first else None,
                 "first_token_divergence_min": min(first_tok) if first_tok else None,
                 "prompts_diverged": len(first), "prompts": len(r.shared_prompts),
-                "seq_token_matches": sum(p.token_match for p in r.shared_prompts),
-                "identical": r.identical, "passed": r.passed, "reasons": r.reasons,
+                "seq_token_matches": sum(d.token_match for d in r.shared_prompts),
             })
         rows.append(row)
-    compared = [r for r in rows if "passed" in r and r["cell"] != r["reference"]]
-    cell_seconds = sum(r["seconds"] or 0 for r in rows)
+    compared = [r for r in rows if r["cell"] in outcome]
     loads = {g: v.get("load_s", []) for g, v in manifest.data.get("groups", {}).items()}
     return {
         "baseline": plan.baseline.id,
         "reference_per": list(plan.matrix.reference_per),
         "cells": rows,
-        "passed": all(r["passed"] for r in compared) and all(r["status"] == "done" for r in rows),
+        "passed": gate.passed,
         "identical_cells": sum(1 for r in compared if r["identical"]),
         "compared_cells": len(compared),
         "wall_s": manifest.data.get("wall_s"),
-        "sum_cell_s": cell_seconds,
+        "sum_cell_s": sum(r["seconds"] or 0 for r in rows),
         "load_s": loads,
     }
 
@@ -142,7 +109,7 @@ def verdicts(summary: dict[str, Any]) -> list[tuple[str, int, int]]:
     """(kernel mode, cells bitwise identical to their reference, cells compared), in run order."""
     out: dict[str, list[int]] = {}
     for r in summary["cells"]:
-        if r["cell"] != r["reference"] and "identical" in r:
+        if "identical" in r:
             n = out.setdefault(r["settings"]["kernels"], [0, 0])
             n[0] += r["identical"]
             n[1] += 1

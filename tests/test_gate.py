@@ -107,7 +107,7 @@ def cases(root: ET.Element) -> dict[str, ET.Element]:
 
 def test_reference_pairs_follow_the_plan(tmp_path):
     from repaudit.gate import load_run
-    from repaudit.summary import reference_pairs
+    from repaudit.plan import reference_pairs
 
     run = load_run(make_run(tmp_path))
     pairs = [(c.id, r.id) for c, r in reference_pairs(run.plan)]
@@ -116,7 +116,7 @@ def test_reference_pairs_follow_the_plan(tmp_path):
 
 def test_manifest_with_another_baseline_and_reference_per(tmp_path):
     from repaudit.gate import load_run
-    from repaudit.summary import reference_pairs
+    from repaudit.plan import reference_pairs
 
     run_dir = make_run(tmp_path)
     m = json.loads((run_dir / "manifest.json").read_text())

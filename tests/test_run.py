@@ -275,3 +275,31 @@ def test_the_run_summary_reads_whole_in_an_80_column_log(matrix_run: Path):
     ids = [r["cell"] for r in summary["cells"]]
     assert short_names(ids)["hf-tp2-bs4-default-stock-score"] == "tp2 bs4 score"
     assert short_names(["a-b", "c"]) == {"a-b": "a-b", "c": "c"}  # ids of other shapes stay whole
+
+
+def test_run_summary_and_gate_give_one_verdict_on_every_pair(matrix_run: Path, tmp_path: Path):
+    """summary.json is made from the gate's own comparison, so `run --gate` and `repaudit gate`
+    agree on every pair; also when a record the manifest calls done has gone missing."""
+    import shutil
+
+    from repaudit.diff import Thresholds
+    from repaudit.gate import gate_run, load_run
+    from repaudit.rundir import Manifest
+    from repaudit.summary import summarize
+
+    for broken in (False, True):
+        run_dir = matrix_run
+        if broken:
+            run_dir = tmp_path / "copy"
+            shutil.copytree(matrix_run, run_dir)
+            cell_path(run_dir, "hf-tp2-bs4-default-stock-score").unlink()
+        run = load_run(run_dir)
+        gate = gate_run(run, Thresholds())
+        summary = summarize(run.plan, run_dir, Manifest.load_or_new(run_dir), Thresholds())
+        rows = {r["cell"]: r for r in summary["cells"]}
+        assert len(gate.pairs) == 6
+        for p in gate.pairs:
+            assert rows[p.cell]["passed"] == p.passed and rows[p.cell]["reasons"] == p.reasons, p.cell
+        assert summary["passed"] == gate.passed is False
+        missing = rows["hf-tp2-bs4-default-stock-score"]
+        assert ("is missing although the manifest says the cell is done" in " ".join(missing["reasons"])) == broken
