@@ -17,7 +17,7 @@ from repaudit import run as run_mod
 from repaudit.errors import InputError
 from repaudit.plan import Matrix, ModelShape, expand, validate_against_model
 
-RUN = ["run", "--model", "builtin:tiny-qwen3", "--probes", "smoke", "--max-new-tokens", "4"]
+RUN = ["run", "--model", "builtin:tiny-qwen3", "--probes", "smoke", "--max-new-tokens", "4", "--kernels", "stock"]
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -57,7 +57,7 @@ def test_every_ranks_switches_reach_the_record_and_the_diff(tmp_path: Path, caps
     pythonpath = os.pathsep.join(filter(None, [str(tmp_path / "site"), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "PYTHONPATH": pythonpath, "REPAUDIT_TEST_FLIP": "1"}
     out = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "repaudit", "run", "--tp", "1,2", "--batch-size", "1", "--mode", "generate",
+    proc = subprocess.run([sys.executable, "-m", "repaudit", "run", "--tp", "1,2", "--batch-size", "1", "--mode", "generate", "--kernels", "stock",
                            "--probes", "smoke", "--max-new-tokens", "2", "--out", str(out)],
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode in (0, 1), proc.stdout[-3000:] + proc.stderr[-3000:]

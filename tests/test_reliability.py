@@ -29,7 +29,7 @@ from repaudit.rundir import Manifest
 
 pytestmark = pytest.mark.slow
 
-BASE = ["run", "--model", "builtin:tiny-qwen3", "--device", "cpu", "--probes", "smoke", "--mode", "generate",
+BASE = ["run", "--model", "builtin:tiny-qwen3", "--device", "cpu", "--probes", "smoke", "--mode", "generate", "--kernels", "stock",
         "--max-new-tokens", "4"]
 
 

@@ -97,7 +97,7 @@ def test_resume_recomputes_only_missing_cells(matrix_run: Path):
 
 
 def _cli(*args: str, env: dict | None = None) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "repaudit", "run", "--probes", "smoke", *args],
+    return subprocess.Popen([sys.executable, "-m", "repaudit", "run", "--probes", "smoke", "--kernels", "stock", *args],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
 
 
@@ -123,7 +123,7 @@ def test_two_nodes_on_localhost_match_one_node(matrix_run: Path, tmp_path: Path)
 def test_inside_an_existing_torchrun_job(matrix_run: Path, tmp_path: Path):
     out = tmp_path / "inplace"
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                           "-m", "repaudit", "run", "--probes", "smoke", "--tp", "2", "--batch-size", "4",
+                           "-m", "repaudit", "run", "--probes", "smoke", "--kernels", "stock", "--tp", "2", "--batch-size", "4",
                            "--mode", "generate", "--out", str(out)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     cid = "hf-tp2-bs4-default-stock-generate"
