@@ -284,6 +284,8 @@ def run(matrix: Matrix, opts: RunOptions, console: Console | None = None) -> int
         from .engines import vllm_engine
 
         vllm_engine.require(matrix.device, opts.rdzv.nnodes)
+        if "tbik" in matrix.kernels:
+            vllm_engine.check_tbik_model(str(ref.path))
     tok = load_tokenizer(ref, opts.trust_remote_code)
     prompts = tokenize(suite, tok, matrix.max_new_tokens, max_positions)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id

@@ -149,7 +149,7 @@ def _run_vllm(spec: JobSpec, events: EventWriter, todo: list[dict]) -> None:
     t0 = time.perf_counter()
     llm = vllm_engine.load(vllm_engine.engine_args(
         model_path=spec.model_path, tp=spec.tp, dtype=spec.dtype, batch_size=max(c["batch_size"] for c in todo),
-        max_len=longest + 1, topk=spec.topk, extra=spec.extra.get("vllm_args")))
+        max_len=longest + 1, topk=spec.topk, kernels=todo[0]["kernels"], extra=spec.extra.get("vllm_args")))
     events.emit("loaded", seconds=time.perf_counter() - t0)
     env = environment(spec.device)
     for cell in todo:

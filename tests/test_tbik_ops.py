@@ -156,6 +156,39 @@ def test_attention_decode_equals_prefill(gqa_sequences):
     assert_bits_equal(step[:1], prefill[:, :, 129:])
 
 
+def _paged(seqs, block_size=8, n_blocks=64, seed=5):
+    """Keys and values of whole sequences ([H, T, D] each) in a paged cache with a shuffled
+    block table; unused slots hold NaN bits, as an engine's recycled cache may."""
+    hkv, d = seqs[0][1].shape[0], seqs[0][1].shape[2]
+    kc = torch.full((n_blocks, block_size, hkv, d), float("nan"), dtype=seqs[0][1].dtype)
+    vc = kc.clone()
+    free = torch.randperm(n_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
+    width = max(-(-q.shape[1] // block_size) for q, _, _ in seqs) + 1
+    table = torch.zeros(len(seqs), width, dtype=torch.int32)
+    for r, (_, k, v) in enumerate(seqs):
+        for pos in range(k.shape[1]):
+            if pos % block_size == 0:
+                table[r, pos // block_size] = free.pop()
+            blk = table[r, pos // block_size]
+            kc[blk, pos % block_size], vc[blk, pos % block_size] = k[:, pos], v[:, pos]
+    return kc, vc, table
+
+
+def test_paged_attention_gives_each_query_the_bits_of_attention(gqa_sequences):
+    kc, vc, table = _paged(gqa_sequences)
+    prefill = [tbik.attention(q[None], k[None], v[None]) for q, k, v in gqa_sequences]
+    # One batch as a serving engine schedules it: request 0 decodes its last token, request 1
+    # prefills in full, request 2 prefills its last 75 tokens as a chunk after 55 cached ones.
+    new = [1, gqa_sequences[1][0].shape[1], 75]
+    queries = torch.cat([q[:, -n:].transpose(0, 1) for (q, _, _), n in zip(gqa_sequences, new)])  # [N, Hq, D]
+    qsl = torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()], dtype=torch.int32)
+    seq_lens = torch.tensor([k.shape[1] for _, k, _ in gqa_sequences], dtype=torch.int32)
+    out = tbik.paged_attention(queries, kc, vc, qsl, seq_lens, table, max_query_len=max(new))
+    assert not out.isnan().any()
+    for r, n in enumerate(new):
+        assert_bits_equal(out[qsl[r]:qsl[r + 1]].transpose(0, 1)[None], prefill[r][:, :, -n:])
+
+
 def test_attention_fp32_and_right_padding_do_not_crash():
     q, k, v = randn(2, 2, 5, 16, seed=5), randn(2, 1, 9, 16, seed=6), randn(2, 1, 9, 16, seed=7)
     out = tbik.attention(q, k, v, start=torch.zeros(2, dtype=torch.int64))

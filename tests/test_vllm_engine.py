@@ -60,7 +60,8 @@ def test_kernel_modes_reach_vllm_through_the_environment():
     assert vllm_engine.process_env("stock")["VLLM_BATCH_INVARIANT"] == "0"
     assert vllm_engine.process_env("bi")["VLLM_BATCH_INVARIANT"] == "1" and vllm_engine.process_env("bi")[vllm_plugin.ENV] == "0"
     tbik_env = vllm_engine.process_env("tbik")
-    assert tbik_env["VLLM_BATCH_INVARIANT"] == "1" and tbik_env[vllm_plugin.ENV] == "1"
+    # tbik: the plugin runs every op itself; vLLM's batch-invariant overrides stay off
+    assert tbik_env["VLLM_BATCH_INVARIANT"] == "0" and tbik_env[vllm_plugin.ENV] == "1"
     with pytest.raises(ValueError):
         vllm_engine.process_env("fast")
 
@@ -87,7 +88,34 @@ def test_engine_args_are_the_documented_defaults_and_vllm_args_override():
     assert args["enforce_eager"] is False
     plain = vllm_engine.engine_args(model_path="/m", tp=1, dtype="bfloat16", batch_size=8, max_len=300, topk=5)
     # vLLM as it ships: no eager mode, no compilation or memory settings of repaudit's own
-    assert not {"enforce_eager", "compilation_config", "gpu_memory_utilization"} & set(plain)
+    assert not {"enforce_eager", "compilation_config", "gpu_memory_utilization", "attention_backend"} & set(plain)
+    tbik = vllm_engine.engine_args(model_path="/m", tp=2, dtype="bfloat16", batch_size=8, max_len=300, topk=5,
+                                   kernels="tbik")
+    assert tbik["attention_backend"] == "FLASH_ATTN" and tbik["compilation_config"] == {"cudagraph_mode": "PIECEWISE"}
+    eager = vllm_engine.engine_args(model_path="/m", tp=2, dtype="bfloat16", batch_size=8, max_len=300, topk=5,
+                                    kernels="tbik", extra={"compilation_config": {"cudagraph_mode": "NONE"}})
+    assert eager["compilation_config"] == {"cudagraph_mode": "NONE"}  # --vllm-arg has the last word
+
+
+def test_tbik_through_vllm_is_refused_for_a_model_the_plugin_does_not_reproduce(tmp_path):
+    import json
+
+    from repaudit import builtin
+    from repaudit.errors import InputError
+
+    for name in ("builtin:tiny-qwen3", "builtin:tiny-llama"):
+        vllm_engine.check_tbik_model(str(builtin.ensure(name)))
+    cfg = json.loads((builtin.ensure("builtin:tiny-llama") / "config.json").read_text())
+    for change, words in (({"model_type": "gemma", "architectures": ["GemmaForCausalLM"]}, "model type 'gemma'"),
+                          ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}},
+                           "RoPE type 'llama3'"),
+                          ({"attention_bias": True}, "biases")):
+        d = tmp_path / words.split()[0]
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps({**cfg, **change}))
+        with pytest.raises(InputError, match=words):
+            vllm_engine.check_tbik_model(str(d))
 
 
 # ---------------------------------------------------------------- with vLLM's own classes

@@ -7,8 +7,12 @@ through the environment, set before vLLM is imported:
 
 - stock: vLLM as configured below.
 - bi:    vLLM's batch-invariant mode (VLLM_BATCH_INVARIANT=1).
-- tbik:  bi, plus repaudit's vLLM plugin (vllm_plugin.py, entry point `vllm.general_plugins`),
-         which gives every row-parallel linear layer tbik's tree matmul and tree all-reduce.
+- tbik:  repaudit's vLLM plugin (vllm_plugin.py, entry point `vllm.general_plugins`), which
+         runs every op of the model as the transformers engine's tbik mode runs it (hf_ops.py):
+         the rollout's bits are the trainer's. vLLM's own batch-invariant mode is off (the
+         plugin replaces every op it would touch); attention is tbik's over the paged KV cache
+         on the flash-attention backend, between piecewise CUDA graphs. Llama/Qwen3-style
+         decoders only (check_tbik_model).
 
 Logprobs are vLLM's raw ones (`logprobs_mode="raw_logprobs"`: log-softmax of the model's
 logits before any sampling processor), taken as the float32 values vLLM computed: vLLM hands
@@ -47,8 +51,16 @@ INSTALL_HINT = "pip install 'repaudit[vllm]'"
 KERNEL_ENV = {
     "stock": {"VLLM_BATCH_INVARIANT": "0", "REPAUDIT_VLLM_TBIK": "0"},
     "bi": {"VLLM_BATCH_INVARIANT": "1", "REPAUDIT_VLLM_TBIK": "0"},
-    "tbik": {"VLLM_BATCH_INVARIANT": "1", "REPAUDIT_VLLM_TBIK": "1"},
+    "tbik": {"VLLM_BATCH_INVARIANT": "0", "REPAUDIT_VLLM_TBIK": "1"},
 }
+# What a tbik cell changes in vLLM's engine arguments, and why: the plugin's attention replaces
+# flash-attention's kernel (so that backend, whatever vLLM would pick), and it reads the batch's
+# lengths on the host, so it runs between vLLM's piecewise CUDA graphs instead of inside a
+# full-decode graph.
+TBIK_ENGINE_ARGS = {"attention_backend": "FLASH_ATTN", "compilation_config": {"cudagraph_mode": "PIECEWISE"}}
+# transformers model types whose every op the plugin reproduces (Llama-style decoder layers,
+# RMSNorm, SiLU-and-mul, default RoPE); tests/test_hf_ops.py checks the ops on both.
+TBIK_FAMILIES = ("llama", "qwen3")
 # vLLM's driver must not look like a torchrun rank: with RANK/WORLD_SIZE it would take itself
 # for an external launcher, and with TORCHELASTIC_USE_AGENT_STORE=True every store it creates
 # would be a client of an agent that is not there (its process group then waits forever).
@@ -79,6 +91,24 @@ def require(device: str = "cuda", nnodes: int = 1) -> None:
         raise InputError("--engine vllm runs on one node here (vLLM's multi-node mode needs a Ray cluster)")
 
 
+def check_tbik_model(path: str) -> None:
+    """Refuse, in one line, a model the plugin's tbik path would not reproduce op for op."""
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(path)
+    rope = (getattr(cfg, "rope_parameters", None) or {}).get("rope_type", "default")
+    problems = [what for what, bad in (
+        (f"model type {cfg.model_type!r} (covered: {', '.join(TBIK_FAMILIES)})", cfg.model_type not in TBIK_FAMILIES),
+        (f"RoPE type {rope!r}", rope != "default"),
+        (f"activation {getattr(cfg, 'hidden_act', None)!r}", getattr(cfg, "hidden_act", "silu") != "silu"),
+        ("biases in attention or MLP", getattr(cfg, "attention_bias", False) or getattr(cfg, "mlp_bias", False)),
+        ("sliding-window attention", getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True)),
+    ) if bad]
+    if problems:
+        raise InputError(f"--engine vllm --kernels tbik: {path} has {'; '.join(problems)}, which repaudit's vLLM "
+                         "plugin does not reproduce op for op (use --kernels bi or stock for this model)")
+
+
 def process_env(kernels: str) -> dict[str, str]:
     """Variables for the cell's process, before vLLM is imported; vLLM's workers inherit them."""
     if kernels not in KERNEL_ENV:
@@ -89,12 +119,14 @@ def process_env(kernels: str) -> dict[str, str]:
 
 
 def engine_args(*, model_path: str, tp: int, dtype: str, batch_size: int, max_len: int, topk: int,
-                extra: dict[str, Any] | None = None) -> dict[str, Any]:
+                kernels: str = "stock", extra: dict[str, Any] | None = None) -> dict[str, Any]:
     args = dict(
         model=model_path, tensor_parallel_size=tp, dtype=dtype, seed=0, max_num_seqs=batch_size,
         max_model_len=max_len, enable_prefix_caching=False, skip_tokenizer_init=True,
         logprobs_mode="raw_logprobs", max_logprobs=max(topk, 1), disable_log_stats=True,
     )
+    if kernels == "tbik":
+        args.update(TBIK_ENGINE_ARGS)
     args.update(extra or {})
     return args
 

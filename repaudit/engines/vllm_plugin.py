@@ -4,27 +4,34 @@ vLLM calls register() in every process it starts (the engine core and each TP wo
 it builds the model. It does nothing unless REPAUDIT_VLLM_TBIK=1, which the vLLM engine sets
 only for `--kernels tbik` cells, so installing repaudit never changes anyone else's vLLM.
 
-What changes: RowParallelLinear (o_proj and down_proj in Llama/Qwen-style models) is the only
-layer whose reduction is split across ranks. Its forward becomes tbik.matmul_partial over this
-rank's K shard (the fp32 root of its subtree of the fixed tree), an all-gather of the P roots
-over vLLM's TP group and tbik.tree_sum (the same pairwise order on every rank), bias, one
-cast. TP=1 runs the whole tree in one kernel, so TP=1 and TP=N add the same numbers in the
-same order. Everything else is made batch-invariant by vLLM's own batch-invariant mode, which
-the engine turns on with it; those layers do not reduce across ranks, so batch invariance
-there is TP invariance too.
+A tbik cell computes what the transformers engine computes in its tbik mode, op for op
+(hf_ops.py says how each op differs from vLLM's own):
+- every linear layer and the lm_head: tbik's tree matmul over the whole K. Row-parallel
+  layers at TP > 1 take the fp32 root of their rank's subtree (tbik.matmul_partial), gather
+  the P roots over vLLM's TP group and add them in the tree's order (tbik.tree_sum), then one
+  cast: TP=1 and TP=N add the same numbers in the same order.
+- RMSNorm (and the residual add vLLM fuses into it), SiLU-and-mul, rotary embedding: the
+  transformers modules' own arithmetic, with tbik's last-dim mean.
+- attention: tbik's attention over the paged KV cache (hf_ops.paged_attention), in place of
+  flash-attention's kernel; vLLM still writes the cache.
+- logprobs: tbik's log-softmax of the fp32 logits (vLLM's own kernel sums each row in another
+  order: one ULP apart on about one logprob in six).
 
-The tbik kernels enter vLLM's graph as two torch custom ops: torch.compile (on by default in
-vLLM) then treats them as opaque calls instead of tracing Triton launchers, and CUDA graphs
-capture them like any other kernel. The all-gather is vLLM's own (its custom op, graph-safe).
+The layer ops enter vLLM's graph as torch custom ops, so torch.compile treats them as opaque
+calls and CUDA graphs capture their kernels. Attention reads host-side lengths, so a tbik cell
+runs vLLM's piecewise CUDA graphs (attention between the captured pieces, as in vLLM's own
+piecewise mode); vllm_engine.engine_args sets that, and the flash-attention backend this file
+patches. A layer this plugin cannot reproduce raises, naming it, instead of running stock.
 """
 
 # No `from __future__ import annotations` here: torch.library.custom_op reads the type
 # annotations of the op functions below as objects to infer the ops' schemas.
 import os
+from typing import Optional
 
 ENV = "REPAUDIT_VLLM_TBIK"
 # The vLLM versions this plugin and the engine were run against; others are refused up front
-# (vllm_engine.require), since the plugin replaces a method of vLLM's own layer class.
+# (vllm_engine.require), since the plugin replaces methods of vLLM's own classes.
 TESTED_VLLM = ("0.25.1",)
 
 
@@ -32,19 +39,45 @@ def register() -> None:
     if os.environ.get(ENV) != "1":
         return
     import vllm
-    from vllm.model_executor.layers import linear
+    from vllm.model_executor.layers import activation, layernorm, linear, vocab_parallel_embedding
+    from vllm.model_executor.layers.rotary_embedding import base as rope_base
+    from vllm.v1.attention.backends import flash_attn
+    from vllm.v1.sample import sampler
+    from vllm.v1.worker.gpu.sample import logprob
 
     if vllm.__version__ not in TESTED_VLLM:
         raise RuntimeError(f"repaudit's tbik plugin was tested with vLLM {', '.join(TESTED_VLLM)}, not {vllm.__version__}")
     if getattr(linear.RowParallelLinear, "_repaudit_tbik", False):
         return
     _define_ops()
-    linear.RowParallelLinear.forward = _tree_forward
+    linear.UnquantizedLinearMethod.apply = _linear_apply
+    vocab_parallel_embedding.UnquantizedEmbeddingMethod.apply = _linear_apply  # the lm_head
+    linear.RowParallelLinear.forward = _row_parallel_forward
+    layernorm.RMSNorm.forward = _rms_norm_forward
+    activation.SiluAndMul.forward = _silu_and_mul_forward
+    rope_base.RotaryEmbedding.__init__ = _with_inv_freq(rope_base.RotaryEmbedding.__init__)
+    rope_base.RotaryEmbedding.forward = _rope_forward
+    flash_attn.FlashAttentionImpl.forward = _attention_forward
+    sampler.Sampler.compute_logprobs = staticmethod(_logprobs)  # vLLM's first model runner
+    logprob.compute_token_logprobs = _token_logprobs  # its second ("V2"), the default in 0.25
     linear.RowParallelLinear._repaudit_tbik = True
 
 
 def _define_ops() -> None:
     import torch
+
+    from . import hf_ops
+
+    if hasattr(torch.ops.repaudit, "tbik_linear"):
+        return
+
+    @torch.library.custom_op("repaudit::tbik_linear", mutates_args=())
+    def tbik_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        return hf_ops.linear(x, weight, bias)
+
+    @tbik_linear.register_fake
+    def _(x, weight, bias):
+        return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
     @torch.library.custom_op("repaudit::tbik_partial", mutates_args=())
     def tbik_partial(x: torch.Tensor, weight: torch.Tensor, tp: int) -> torch.Tensor:
@@ -66,29 +99,157 @@ def _define_ops() -> None:
     def _(gathered, parts):
         return gathered.new_empty((gathered.shape[0] // parts, gathered.shape[-1]))
 
+    @torch.library.custom_op("repaudit::hf_rms_norm", mutates_args=())
+    def hf_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return hf_ops.rms_norm(x, weight, eps)
 
-def _tree_forward(self, input_):
+    @hf_rms_norm.register_fake
+    def _(x, weight, eps):
+        return x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype))
+
+    @torch.library.custom_op("repaudit::hf_add_rms_norm", mutates_args=())
+    def hf_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        return hf_ops.add_rms_norm(x, residual, weight, eps)
+
+    @hf_add_rms_norm.register_fake
+    def _(x, residual, weight, eps):
+        return x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype)), x.new_empty(x.shape)
+
+    @torch.library.custom_op("repaudit::hf_silu_and_mul", mutates_args=())
+    def hf_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+        return hf_ops.silu_and_mul(x)
+
+    @hf_silu_and_mul.register_fake
+    def _(x):
+        return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
+
+    @torch.library.custom_op("repaudit::hf_rope", mutates_args=())
+    def hf_rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, inv_freq: torch.Tensor,
+                head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return hf_ops.rope(positions, q, k, inv_freq, head_dim)
+
+    @hf_rope.register_fake
+    def _(positions, q, k, inv_freq, head_dim):
+        return q.new_empty(q.shape), k.new_empty(k.shape)
+
+
+def _refuse(layer, why: str):
+    raise RuntimeError(f"tbik: {type(layer).__name__} {why}; repaudit's vLLM plugin covers Llama/Qwen3-style "
+                       "decoders only (run this model with --kernels bi or stock)")
+
+
+def _linear_apply(self, layer, x, bias=None):
+    import torch
+
+    return torch.ops.repaudit.tbik_linear(x, layer.weight, bias)
+
+
+def _row_parallel_forward(self, input_):
     import torch
     from vllm.distributed import get_tp_group
     from vllm.model_executor.layers.linear import UnquantizedLinearMethod
 
     if not isinstance(self.quant_method, UnquantizedLinearMethod):
-        raise RuntimeError(f"tbik: {type(self).__name__} with {type(self.quant_method).__name__} is not covered "
-                           "(unquantized weights only)")
+        _refuse(self, f"with {type(self.quant_method).__name__} (unquantized weights only)")
     tp = self.tp_size
     if tp > 1 and not self.reduce_results:
-        raise RuntimeError("tbik: a row-parallel layer that leaves its all-reduce to the caller is not covered")
+        _refuse(self, "leaves its all-reduce to the caller")
+    bias = self.bias if not self.skip_bias_add else None
     x = input_
     if not self.input_is_parallel:
         x = x.tensor_split(tp, dim=-1)[self.tp_rank].contiguous()
-    x2 = x.reshape(-1, x.shape[-1])
-    root = torch.ops.repaudit.tbik_partial(x2, self.weight, tp)
-    if tp > 1:
+    if tp == 1:
+        out = torch.ops.repaudit.tbik_linear(x, self.weight, bias)
+    else:
+        x2 = x.reshape(-1, x.shape[-1])
+        root = torch.ops.repaudit.tbik_partial(x2, self.weight, tp)
         # Rank order along dim 0: the tree's leaves in the order TP=1 adds them.
         root = torch.ops.repaudit.tbik_tree_sum(get_tp_group().all_gather(root, dim=0), tp)
-    if self.bias is not None and not self.skip_bias_add:
-        root = root + self.bias.float()
-    out = root.to(x.dtype).reshape(*x.shape[:-1], self.weight.shape[0])
+        if bias is not None:
+            root = root + bias.float()
+        out = root.to(x.dtype).reshape(*x.shape[:-1], self.weight.shape[0])
     if not self.return_bias:
         return out
     return out, (self.bias if self.skip_bias_add else None)
+
+
+def _rms_norm_forward(self, x, residual=None):
+    import torch
+    from vllm.model_executor.layers.layernorm import RMSNorm
+
+    if type(self) is not RMSNorm or self.variance_size_override is not None or not self.has_weight:
+        _refuse(self, "(a norm other than Llama's RMSNorm)")
+    if residual is None:
+        return torch.ops.repaudit.hf_rms_norm(x, self.weight, self.variance_epsilon)
+    return torch.ops.repaudit.hf_add_rms_norm(x, residual, self.weight, self.variance_epsilon)
+
+
+def _silu_and_mul_forward(self, x):
+    import torch
+    from vllm.model_executor.layers.activation import SiluAndMul
+
+    if type(self) is not SiluAndMul:
+        _refuse(self, "(an activation other than SiLU-and-mul)")
+    return torch.ops.repaudit.hf_silu_and_mul(x)
+
+
+def _with_inv_freq(init):
+    """RotaryEmbedding.__init__, plus transformers' inverse frequencies as a buffer: made once,
+    on the CPU as transformers makes them, then on the module's device (no copy can happen
+    later, while vLLM captures a CUDA graph)."""
+    import functools
+
+    import torch
+
+    from . import hf_ops
+
+    @functools.wraps(init)
+    def wrapped(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        device = self.cos_sin_cache.device if hasattr(self, "cos_sin_cache") else torch.get_default_device()
+        self.register_buffer("_repaudit_inv_freq", hf_ops.inv_freq(self.base, self.rotary_dim).to(device),
+                             persistent=False)
+
+    return wrapped
+
+
+def _rope_forward(self, positions, query, key=None):
+    import torch
+    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+
+    if type(self) is not RotaryEmbedding or not self.is_neox_style or self.rotary_dim != self.head_size or key is None:
+        _refuse(self, "(RoPE other than the default, full-width, neox-style one)")
+    return torch.ops.repaudit.hf_rope(positions, query, key, self._repaudit_inv_freq, self.head_size)
+
+
+def _attention_forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
+                       output_scale=None, output_block_scale=None):
+    from vllm.v1.attention.backend import AttentionType
+
+    from . import hf_ops
+
+    if attn_metadata is None:  # vLLM's profiling run
+        return output.fill_(0)
+    if (self.attn_type != AttentionType.DECODER or self.alibi_slopes is not None or self.sinks is not None
+            or self.sliding_window != (-1, -1) or self.logits_soft_cap or self.kv_cache_dtype != "auto"
+            or output_scale is not None or getattr(self, "dcp_world_size", 1) > 1):
+        _refuse(self, "(attention other than causal, full-window, unquantized-cache decoder attention)")
+    key_cache, value_cache = kv_cache.unbind(1)
+    n_req = attn_metadata.seq_lens.shape[0]
+    hf_ops.paged_attention(query, key_cache, value_cache, attn_metadata.query_start_loc[:n_req + 1],
+                           attn_metadata.seq_lens, attn_metadata.block_table, attn_metadata.max_query_len,
+                           self.scale, out=output)
+    return output
+
+
+def _logprobs(logits):
+    from . import hf_ops
+
+    return hf_ops.log_probs(logits)
+
+
+def _token_logprobs(logits, token_ids):
+    """vLLM's compute_token_logprobs (the logprobs of token_ids [rows, k] only), from tbik's
+    log-softmax of the whole row: vLLM's own kernel sums the row in another order."""
+    return _logprobs(logits).gather(1, token_ids.long())

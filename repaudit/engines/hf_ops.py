@@ -1,0 +1,107 @@
+"""transformers' op sequence for a Llama/Qwen-style decoder, on vLLM's flat tensors, with tbik.
+
+The vLLM plugin (vllm_plugin.py) routes every op of a vLLM tbik cell through these functions,
+so that a vLLM rollout computes, op for op and rounding for rounding, what the transformers
+engine computes in its tbik mode (kernelmodes.py): the trainer and the rollout then agree bit
+for bit. Each function names the transformers code it mirrors; where vLLM's own layer computes
+something else (a fused add-and-norm in fp32, a rotary cache built on the GPU, a paged
+flash-attention), the comment says what and why that would move bits.
+
+No vLLM import here: the functions take plain tensors, so tests check them on the CPU against
+transformers' modules under tbik's CPU backend.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import tbik
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """nn.Linear under tbik's aten override: x [..., K] @ weight[N, K].T (+ bias, joined in fp32).
+
+    tbik's tiles never depend on M or N, so a fused projection (vLLM's qkv_proj, gate_up_proj,
+    a rank's column shard) gives each output column the bits of transformers' separate layer.
+    """
+    x2 = x.reshape(-1, x.shape[-1])
+    out = tbik.tree_matmul(x2, weight.t(), bias, num_chunks=tbik.NUM_CHUNKS)
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """LlamaRMSNorm / Qwen3RMSNorm.forward, with the last-dim mean tbik's (as aten::mean.dim is
+    under the override)."""
+    dtype = x.dtype
+    h = x.to(torch.float32)
+    variance = tbik.mean_last_dim(h.pow(2), keepdim=True)
+    h = h * torch.rsqrt(variance + eps)
+    return weight * h.to(dtype)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decoder layer's `hidden = residual + hidden` followed by the next norm.
+
+    vLLM fuses the two and normalises the fp32 sum; transformers adds in the model dtype and
+    normalises the rounded sum. Returns (normed, new residual) as vLLM's layer expects.
+    """
+    total = residual + x
+    return rms_norm(total, weight, eps), total
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """The MLP's act_fn(gate_proj(x)) * up_proj(x) on vLLM's fused [gate | up] output: two
+    roundings to the model dtype, where a fused kernel would round once."""
+    d = x.shape[-1] // 2
+    return torch.nn.functional.silu(x[..., :d]) * x[..., d:]
+
+
+def inv_freq(base: float, dim: int) -> torch.Tensor:
+    """Default RoPE inverse frequencies, on the CPU as transformers computes them when it
+    initialises the buffer (vLLM builds its cache on the GPU, whose pow rounds differently)."""
+    return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float, device="cpu") / dim))
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, inv_freq: torch.Tensor, head_dim: int,
+         scaling: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3RotaryEmbedding.forward + apply_rotary_pos_emb on flat [tokens, heads * head_dim].
+
+    cos and sin are computed from the positions on the fly in fp32 (the same batched matmul
+    with K = 1, cos, sin, scaling), cast to the model dtype, and applied as
+    q * cos + rotate_half(q) * sin, each product rounded: vLLM's cached table and fused kernel
+    round elsewhere.
+    """
+    pos = positions.reshape(1, 1, -1).float()
+    freqs = (inv_freq.to(q.device)[None, :, None].float() @ pos).transpose(1, 2)[0]  # [tokens, dim/2]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos = (emb.cos() * scaling).to(q.dtype)[:, None, :]
+    sin = (emb.sin() * scaling).to(q.dtype)[:, None, :]
+
+    def apply(x: torch.Tensor) -> torch.Tensor:
+        heads = x.reshape(x.shape[0], -1, head_dim)
+        return ((heads * cos) + (_rotate_half(heads) * sin)).reshape(x.shape)
+
+    return apply(q), apply(k)
+
+
+def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
+                    max_query_len: int, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The attention interface repaudit registers with transformers (tbik.attention, keys
+    counted from each sequence's first real key), over vLLM's paged KV cache: tbik's paged
+    kernel gives each query the bits tbik.attention gives it in transformers' left-padded batch,
+    whatever the batch, the block table or the prefill/decode split. flash-attention would split
+    the keys by the batch's shape instead."""
+    return tbik.paged_attention(query, key_cache, value_cache, query_start_loc, seq_lens, block_table,
+                                max_query_len=max_query_len, scale=scale, out=out)
+
+
+def log_probs(logits: torch.Tensor) -> torch.Tensor:
+    """The transformers engine's log_softmax(logits.float()) with tbik's kernel."""
+    return tbik.log_softmax(logits.float(), -1)
