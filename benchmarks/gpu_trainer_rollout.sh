@@ -5,6 +5,7 @@
 # each vLLM batch-1 cell, and the op-for-op check of repaudit.engines.hf_ops on the GPU.
 #
 #   bash benchmarks/gpu_trainer_rollout.sh                     # writes $OUT/trainer-rollout.tgz
+#   TP=1 bash benchmarks/gpu_trainer_rollout.sh                # one GPU
 #   RESUME=<run.tar.xz of an earlier call> bash benchmarks/gpu_trainer_rollout.sh
 #
 # The run:
@@ -30,7 +31,7 @@ if [ -z "${RESUME:-}" ]; then
      > $W/pytest-hf-ops.log 2>&1; echo "pytest exit $?" >> $W/pytest-hf-ops.log) &
 fi
 COLUMNS=150 timeout -k 10 $(( $(left) - 40 )) python3 -m repaudit run --model builtin:qwen3-0.6b --device cuda \
-  --engine hf,vllm --tp 1,2 --batch-size 1,8,32 --kernels tbik --mode generate,score --probes default \
+  --engine hf,vllm --tp ${TP:-1,2} --batch-size 1,8,32 --kernels tbik --mode generate,score --probes default \
   --max-new-tokens 16 --topk 5 --baseline hf-tp1-bs1-default-tbik-generate --reference-per kernels,mode \
   --timeout 200 --load-timeout 300 --out $R > $W/run.log 2>&1; echo "run exit $?"
 wait
