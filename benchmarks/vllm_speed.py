@@ -60,8 +60,8 @@ def one(args) -> dict:
     vocab = AutoConfig.from_pretrained(args.model).vocab_size
     prompts = _prompts(vocab, args.prompts)
     llm = vllm_engine.load(vllm_engine.engine_args(model_path=args.model, tp=args.tp, dtype="bfloat16",
-                                                   batch_size=args.prompts, max_len=512 + args.new + 1, topk=args.topk, kernels=args.kernels,
-                                                   extra=json.loads(args.vllm_args)))
+                                                   batch_size=args.prompts, max_len=512 + args.new + 1, topk=args.topk,
+                                                   kernels=args.kernels, extra=json.loads(args.vllm_args)))
     seqs = [Sequence(f"p{i}", tuple(p), None, args.new) for i, p in enumerate(prompts)]
     plain_params = SamplingParams(temperature=0.0, max_tokens=args.new, detokenize=False)
     # What the cell asks vLLM for, without repaudit's conversion: vLLM's own cost of logprobs.

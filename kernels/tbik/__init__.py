@@ -3,7 +3,8 @@
 Triton kernels whose results do not move with the tensor-parallel size or the batch size:
 the TBIK tree matmul and its per-rank partial, a tree all-reduce, and batch-invariant
 log-softmax, RMSNorm, last-dim mean and causal attention (also over a paged KV cache); plus a
-mode that routes aten's mm/addmm/_log_softmax/mean.dim to them. Depends on torch and triton only. See docs/tbik.md.
+mode that routes aten's mm/addmm/_log_softmax/mean.dim to them. Depends on torch and triton
+only. See docs/tbik.md.
 """
 
 from . import _interpret
@@ -32,8 +33,8 @@ __all__ = [
     "is_batch_invariant_mode_enabled",
     "log_softmax",
     "matmul_partial",
-    "paged_attention",
     "mean_last_dim",
+    "paged_attention",
     "rms_norm",
     "tree_all_reduce",
     "tree_matmul",

@@ -68,20 +68,21 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, inv_freq: torch.Tensor, head_dim: int,
-         scaling: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Qwen3RotaryEmbedding.forward + apply_rotary_pos_emb on flat [tokens, heads * head_dim].
+def rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, inv_freq: torch.Tensor,
+         head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3RotaryEmbedding.forward + apply_rotary_pos_emb on flat [tokens, heads * head_dim],
+    default RoPE (whose attention scaling is 1: a multiplication that changes no bit).
 
     cos and sin are computed from the positions on the fly in fp32 (the same batched matmul
-    with K = 1, cos, sin, scaling), cast to the model dtype, and applied as
+    with K = 1, cos, sin), cast to the model dtype, and applied as
     q * cos + rotate_half(q) * sin, each product rounded: vLLM's cached table and fused kernel
     round elsewhere.
     """
     pos = positions.reshape(1, 1, -1).float()
     freqs = (inv_freq.to(q.device)[None, :, None].float() @ pos).transpose(1, 2)[0]  # [tokens, dim/2]
     emb = torch.cat((freqs, freqs), dim=-1)
-    cos = (emb.cos() * scaling).to(q.dtype)[:, None, :]
-    sin = (emb.sin() * scaling).to(q.dtype)[:, None, :]
+    cos = emb.cos().to(q.dtype)[:, None, :]
+    sin = emb.sin().to(q.dtype)[:, None, :]
 
     def apply(x: torch.Tensor) -> torch.Tensor:
         heads = x.reshape(x.shape[0], -1, head_dim)

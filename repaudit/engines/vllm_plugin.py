@@ -45,6 +45,8 @@ def register() -> None:
     from vllm.v1.sample import sampler
     from vllm.v1.worker.gpu.sample import logprob
 
+    from . import hf_ops
+
     if vllm.__version__ not in TESTED_VLLM:
         raise RuntimeError(f"repaudit's tbik plugin was tested with vLLM {', '.join(TESTED_VLLM)}, not {vllm.__version__}")
     if getattr(linear.RowParallelLinear, "_repaudit_tbik", False):
@@ -58,7 +60,7 @@ def register() -> None:
     rope_base.RotaryEmbedding.__init__ = _with_inv_freq(rope_base.RotaryEmbedding.__init__)
     rope_base.RotaryEmbedding.forward = _rope_forward
     flash_attn.FlashAttentionImpl.forward = _attention_forward
-    sampler.Sampler.compute_logprobs = staticmethod(_logprobs)  # vLLM's first model runner
+    sampler.Sampler.compute_logprobs = staticmethod(hf_ops.log_probs)  # vLLM's first model runner
     logprob.compute_token_logprobs = _token_logprobs  # its second ("V2"), the default in 0.25
     linear.RowParallelLinear._repaudit_tbik = True
 
@@ -243,13 +245,9 @@ def _attention_forward(self, layer, query, key, value, kv_cache, attn_metadata, 
     return output
 
 
-def _logprobs(logits):
-    from . import hf_ops
-
-    return hf_ops.log_probs(logits)
-
-
 def _token_logprobs(logits, token_ids):
     """vLLM's compute_token_logprobs (the logprobs of token_ids [rows, k] only), from tbik's
     log-softmax of the whole row: vLLM's own kernel sums the row in another order."""
-    return _logprobs(logits).gather(1, token_ids.long())
+    from . import hf_ops
+
+    return hf_ops.log_probs(logits).gather(1, token_ids.long())
