@@ -229,14 +229,14 @@ class DiffResult:
     def identical(self) -> bool:
         """Every prompt is in both records with the same tokens (so no row is left over), and every bit of
         every recorded column agrees: logprob, row digest, top-1 id, top-k ids and logprobs, with no column
-        held on one side only. Identical implies the strict verdict passes, and with the same prompts on
+        held on one side only (row digests aside when one record holds none: see one_sided_gap). Identical implies the strict verdict passes, and with the same prompts on
         both sides the strict verdict passes only when identical."""
         return (
             self.comparable == self.bitwise_equal
             and self.digest_equal == self.digest_compared
             and self.top1_equal == self.top1_compared
             and self.topk_ids_equal == self.topk_logprobs_equal == self.topk_compared
-            and not any(only_a or only_b for _, _, only_a, only_b in self.coverage)
+            and not any(one_sided_gap(*c) for c in self.coverage)
             and all(p.token_match for p in self.prompts)
         )
 
@@ -1529,11 +1529,21 @@ _CANNOT = {"row digests": "cannot prove the distributions equal", "top-1 ids": "
            "top-k lists": "cannot compare the top-k"}
 
 
+def one_sided_gap(what: str, compared: int, only_a: int, only_b: int) -> bool:
+    """Whether a column held by one record only counts against the pair. It does, so that a missing
+    column is never taken as equal, except row digests missing from a whole record: an engine that
+    never sees the full logits row (vLLM) records none, and a trainer-versus-rollout pair is then
+    judged on every column both hold (diff lists the digests under not_compared)."""
+    if not (only_a or only_b):
+        return False
+    return not (what == "row digests" and compared == 0 and not (only_a and only_b))
+
+
 def _one_sided(r: DiffResult) -> list[str]:
-    """A column one record holds and the other lacks is never taken as equal (both lacking it is fine:
-    nothing to compare, e.g. vLLM records have no row digests)."""
     out = []
     for what, compared, only_a, only_b in r.coverage:
+        if not one_sided_gap(what, compared, only_a, only_b):
+            continue
         for side, other, n, n_other in (("A", "B", only_a, only_b), ("B", "A", only_b, only_a)):
             if not n:
                 continue

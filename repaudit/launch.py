@@ -242,7 +242,17 @@ def run_group(
             for cid in remaining:
                 outcome.cells[cid] = CellOutcome("failed", reason)
             break
+        _tell_settled(outcome, list(outcome.cells)[known:], on_event)
     return outcome
+
+
+def _tell_settled(outcome: GroupOutcome, cells: list[str], on_event: Callable[[dict], None]) -> None:
+    """Before the next attempt starts: the cells the last one settled, as events, so the caller can act
+    on a final outcome while the group goes on (a failed reference cell must release the score cells
+    of the next attempt, which wait for its record)."""
+    for cid in cells:
+        oc = outcome.cells[cid]
+        on_event({"event": "cell_settled", "cell": cid, "status": oc.status, "reason": oc.reason})
 
 
 def _apply(ev: dict, attempt: _Attempt, outcome: GroupOutcome) -> None:

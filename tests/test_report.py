@@ -264,7 +264,7 @@ def test_reports_show_topk_and_columns_held_on_one_side(tmp_path, capsys):
     for text in (html, md):
         assert "15/15 (100%) / 93.33%" in text  # equal top-k ids / logprob bits
         assert "not compared (15 only in A)" in text  # row digests
-    assert "record B has no row digests (A has them at 15 positions); cannot prove the distributions equal" in html
+    assert "1 of 15 positions differ in their top-k logprob bits" in html and "record B has no row digests" not in html
     run = make_run(tmp_path, {"hf-tp2-bs4-default-stock-score": {"topk": {("p1", 0): BASE}}}, topk=True)
     assert cli.main(["report", str(run)]) == 0
     capsys.readouterr()

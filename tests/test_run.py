@@ -246,6 +246,23 @@ def test_groups_side_by_side_give_the_records_of_groups_one_by_one(matrix_run: P
         assert _sha(path) == _sha(out / "cells" / path.name), path.name
 
 
+@pytest.mark.timeout(240)
+def test_a_failed_reference_releases_the_score_cells_of_its_own_groups_next_job(tmp_path: Path, monkeypatch):
+    """Side by side, score cells wait for the reference record. When the reference cell fails, the
+    launcher starts a new job for the cells left, in the same group: those score cells must learn
+    at once that the reference will not come, not wait for their own group to end."""
+    from repaudit import run as run_mod
+
+    monkeypatch.setattr(run_mod, "_side_by_side_gpus", lambda plan, opts, inplace: [""])
+    monkeypatch.setenv("REPAUDIT_FAULT", "raise:hf-tp1-bs1-default-stock-generate")
+    out = tmp_path / "reffail"
+    assert _run(out, tps=(1,), batch_sizes=(1,)) == 1
+    cells = json.loads((out / "manifest.json").read_text())["cells"]
+    assert cells["hf-tp1-bs1-default-stock-generate"]["reason"].endswith("injected failure in hf-tp1-bs1-default-stock-generate")
+    assert cells["hf-tp1-bs1-default-stock-score"]["status"] == "failed"
+    assert "reference cell hf-tp1-bs1-default-stock-generate has not completed" in cells["hf-tp1-bs1-default-stock-score"]["reason"]
+
+
 def test_the_run_summary_reads_whole_in_an_80_column_log(matrix_run: Path):
     """No column is broken into fragments in a log that is not a terminal; the verdict per kernel
     mode closes it."""

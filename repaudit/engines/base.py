@@ -24,7 +24,7 @@ class TokenRows:
     pos: np.ndarray
     token_id: np.ndarray
     logprob: np.ndarray
-    top1: np.ndarray
+    top1: np.ndarray  # the lowest token id holding the row's largest logprob
     topk_ids: np.ndarray  # [n, k]
     topk_logprobs: np.ndarray  # [n, k]
     digest: np.ndarray | None  # uint64, or None when the engine cannot see the full logits row
@@ -36,6 +36,17 @@ class TokenRows:
     @property
     def completion_tokens(self) -> tuple[int, ...]:
         return tuple(int(t) for t in self.token_id[self.pos >= self.prompt_len])
+
+
+def canonical_topk(ids: np.ndarray, lps: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Top-k lists [n, k] in one order whatever engine made them: logprob descending, equal
+    logprobs by token id ascending. torch.topk (and vLLM's ranks) leave tied entries in any
+    order, and a tie at the top is common enough in bf16 that two engines computing the same
+    bits would otherwise name different tokens."""
+    if ids.shape[1] < 2:
+        return ids, lps
+    order = np.lexsort((ids, -lps.astype(np.float64)), axis=-1)
+    return np.take_along_axis(ids, order, -1), np.take_along_axis(lps, order, -1)
 
 
 @dataclass

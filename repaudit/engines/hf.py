@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from ..digest import row_digest, to_uint64
 from ..errors import InputError
-from .base import Sequence, Timing, TokenRows
+from .base import Sequence, Timing, TokenRows, canonical_topk
 
 LOGIT_ROWS_PER_CHUNK = 256
 CACHE_IMPLEMENTATION = "dynamic"  # the KV cache generate() decodes with; benchmarks give model.generate the same
@@ -230,7 +230,7 @@ def _sequence_rows(hfm: HFModel, hidden: torch.Tensor, targets: torch.Tensor, to
 def _extract(logits: torch.Tensor, lp: torch.Tensor, targets: torch.Tensor, topk: int) -> dict[str, torch.Tensor]:
     out = {
         "logprob": lp.gather(1, targets[:, None])[:, 0],
-        "top1": logits.argmax(dim=-1),
+        "top1": lp.argmax(dim=-1),  # the first of tied maxima, as vLLM's top-k gives it (canonical_topk)
         "digest": row_digest(logits),
     }
     if topk:
@@ -249,8 +249,8 @@ def _sync(device: torch.device) -> None:
 
 def _to_rows(prompt_id: str, prompt_len: int, pos: np.ndarray, tokens: np.ndarray,
              vals: dict[str, np.ndarray], sel: np.ndarray, topk: int) -> TokenRows:
-    k_ids = vals["topk_ids"][sel] if topk else np.zeros((len(sel), 0), np.int32)
-    k_lp = vals["topk_lp"][sel] if topk else np.zeros((len(sel), 0), np.float32)
+    k_ids, k_lp = (canonical_topk(vals["topk_ids"][sel], vals["topk_lp"][sel]) if topk
+                   else (np.zeros((len(sel), 0), np.int32), np.zeros((len(sel), 0), np.float32)))
     return TokenRows(
         prompt_id=prompt_id, prompt_len=prompt_len, pos=pos.astype(np.int32), token_id=tokens.astype(np.int32),
         logprob=vals["logprob"][sel], top1=vals["top1"][sel].astype(np.int32),

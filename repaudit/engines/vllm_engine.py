@@ -27,8 +27,10 @@ A cell runs vLLM as it ships: torch.compile, CUDA graphs, its default attention 
 memory share. The settings repaudit changes, and why (docs/vllm.md lists them too):
 - enable_prefix_caching=False: a cell is a cold prefill of every prompt; a cached prefix
   would change which tokens a forward computes (a scenario of its own, not a default).
-- logprobs_mode="raw_logprobs", max_logprobs=k: the log-softmax of the model's logits
-  before any logits processor, and as many of them as the record's top-k needs.
+- logprobs_mode="raw_logprobs", max_logprobs=max(k, 2): the log-softmax of the model's
+  logits before any logits processor, as many as the record's top-k needs and at least two,
+  so that a tie at the top resolves to the lowest token id, as the transformers engine's
+  argmax does.
 - skip_tokenizer_init=True: records hold token ids; vLLM never detokenizes.
 - max_num_seqs = the largest batch size of the job, max_model_len = the longest sequence:
   the batch is what the cell measures, and the KV cache is sized for the suite.
@@ -45,7 +47,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import InputError
-from .base import Sequence, Timing, TokenRows
+from .base import Sequence, Timing, TokenRows, canonical_topk
 
 INSTALL_HINT = "pip install 'repaudit[vllm]'"
 KERNEL_ENV = {
@@ -123,12 +125,17 @@ def engine_args(*, model_path: str, tp: int, dtype: str, batch_size: int, max_le
     args = dict(
         model=model_path, tensor_parallel_size=tp, dtype=dtype, seed=0, max_num_seqs=batch_size,
         max_model_len=max_len, enable_prefix_caching=False, skip_tokenizer_init=True,
-        logprobs_mode="raw_logprobs", max_logprobs=max(topk, 1), disable_log_stats=True,
+        logprobs_mode="raw_logprobs", max_logprobs=logprobs_k(topk), disable_log_stats=True,
     )
     if kernels == "tbik":
         args.update(TBIK_ENGINE_ARGS)
     args.update(extra or {})
     return args
+
+
+def logprobs_k(topk: int) -> int:
+    """Logprobs vLLM returns per row: the record's top-k, and at least two (see the module doc)."""
+    return max(topk, 2)
 
 
 def load(args: dict[str, Any]):
@@ -140,10 +147,9 @@ def load(args: dict[str, Any]):
 def sampling_params(max_tokens: int, topk: int, eos_id: int | None, prompt_logprobs: bool):
     from vllm import SamplingParams
 
-    # At least one logprob per row: the rank-1 entry is the row's top-1 token. Flat logprobs:
-    # vLLM keeps a request's logprobs in a few flat lists instead of a dict per position, which
+    # Flat logprobs: vLLM keeps a request's logprobs in a few flat lists instead of a dict per position, which
     # costs vLLM and this conversion far less than (1 + k) Python objects per token.
-    k = max(topk, 1)
+    k = logprobs_k(topk)
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=k, prompt_logprobs=k if prompt_logprobs else None,
                           detokenize=False, stop_token_ids=[eos_id] if eos_id is not None else None, flat_logprobs=True)
 
@@ -194,7 +200,7 @@ def rows_from_output(out, prompt_id: str, prompt_len: int, topk: int, completion
     """A vLLM RequestOutput (flat logprobs) -> the rows repaudit records: with `completion`, every
     generated token (EOS included); without, positions 1.. of the request's prompt (from
     prompt_logprobs: a score cell's prompt is prompt + reference completion)."""
-    k = max(topk, 1)
+    k = logprobs_k(topk)
     if completion:
         gen = out.outputs[0]
         if gen.logprobs is None or len(gen.logprobs) != len(gen.token_ids):
@@ -213,7 +219,7 @@ def rows_from_output(out, prompt_id: str, prompt_len: int, topk: int, completion
         first = 1
     if not (vals["token"] == token).all():
         raise RuntimeError(f"{prompt_id}: vLLM's logprob entries name other tokens than the sequence holds")
-    ids, lps = vals["ids"], vals["lps"]
+    ids, lps = canonical_topk(vals["ids"], vals["lps"])
     return TokenRows(prompt_id=prompt_id, prompt_len=prompt_len, pos=np.arange(first, first + len(token), dtype=np.int32),
                      token_id=token.astype(np.int32), logprob=vals["logprob"], top1=ids[:, 0].astype(np.int32),
                      topk_ids=ids[:, :topk].astype(np.int32), topk_logprobs=lps[:, :topk], digest=None)
