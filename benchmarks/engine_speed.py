@@ -33,7 +33,7 @@ import torch.distributed as dist  # noqa: E402
 
 def _prompts(model_id: str, n: int, new: int):
     from repaudit.probes import load_suite
-    from repaudit.run import load_tokenizer, resolve_model, tokenize
+    from repaudit.model import load_tokenizer, resolve_model, tokenize
 
     ref = resolve_model(model_id)
     tok = load_tokenizer(ref, False)

@@ -3,7 +3,8 @@
 The Python API: write and read token records, diff two of them in memory.
 """
 
-from .diff import DiffResult, Thresholds, diff_records
+from .compare.diff import diff_records
+from .compare.result import DiffResult, Thresholds
 from .errors import InputError
 from .records import RecordMeta, load_frame, read_meta, write_record
 

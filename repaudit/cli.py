@@ -9,7 +9,7 @@ from typing import Optional
 import typer
 
 from . import commands
-from .diff import Thresholds
+from .compare.result import Thresholds
 from .errors import EXIT_INPUT, InputError, os_error_exit_code
 
 app = typer.Typer(

@@ -10,7 +10,8 @@ from pathlib import Path
 
 from rich.console import Console
 
-from .diff import DEFAULT_CLIP, Thresholds, diff_records
+from .compare.diff import diff_records
+from .compare.result import DEFAULT_CLIP, Thresholds
 from .files import write_json_atomic, write_text_atomic
 from .render import diff_markdown, print_diff
 

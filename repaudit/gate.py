@@ -18,7 +18,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from .diff import DiffResult, Thresholds, diff_records
+from .compare.diff import diff_records
+from .compare.result import DiffResult, Thresholds
 from .errors import InputError
 from .jobspec import cell_path
 from .plan import Plan, plan_from_manifest, reference_delta, reference_pairs

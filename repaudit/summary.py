@@ -8,7 +8,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from .diff import Thresholds, json_float
+from .compare.result import Thresholds, json_float
 from .files import write_json_atomic, write_text_atomic
 from .gate import RunInfo, gate_run
 from .plan import CELL_SETTINGS, Plan, reference_delta, reference_pairs

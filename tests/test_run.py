@@ -134,7 +134,7 @@ def test_inside_an_existing_torchrun_job(matrix_run: Path, tmp_path: Path):
 def test_chat_suite_goes_through_the_chat_template(tmp_path: Path):
     from repaudit import builtin
     from repaudit.probes import load_suite
-    from repaudit.run import ModelRef, load_tokenizer, tokenize
+    from repaudit.model import ModelRef, load_tokenizer, tokenize
 
     path = builtin.ensure("builtin:tiny-qwen3")
     tok = load_tokenizer(ModelRef("builtin:tiny-qwen3", path, None), False)
@@ -211,7 +211,8 @@ def test_a_score_cells_reference_is_one_of_its_settings():
     """A run resumed with another baseline must not reuse score cells that scored other tokens."""
     from repaudit.plan import Matrix, expand
     from repaudit.probes import load_suite
-    from repaudit.run import ModelRef, cell_settings
+    from repaudit.model import ModelRef
+    from repaudit.run import cell_settings
 
     plan = expand(Matrix(model="x", tps=(1, 2), batch_sizes=(1,), modes=("generate", "score"), device="cpu"))
     ref, suite = ModelRef("x", Path("/m"), None), load_suite("smoke")

@@ -1,4 +1,4 @@
-"""The diff reads the top-k lists straight from their Parquet pages (diff._direct_topk): for every writer
+"""The diff reads the top-k lists straight from their Parquet pages (pages.direct_topk): for every writer
 setting that reader accepts it gives what Arrow reads, and anything else (dictionary pages, null items,
 nullable lists, damaged pages) it leaves to Arrow."""
 
@@ -11,7 +11,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from repaudit import diff
+from repaudit.compare import chunks, pages, work
 
 N = 2000
 
@@ -35,7 +35,7 @@ def table(lengths: np.ndarray, rng: np.random.Generator, nullable_lists: bool = 
 def direct(path: Path) -> list:
     pf = pq.ParquetFile(path)
     with open(path, "rb") as f:
-        return [diff._direct_topk(pf, f.fileno(), g, diff._Work()) for g in range(pf.metadata.num_row_groups)]
+        return [pages.direct_topk(pf, f.fileno(), g, work.Work()) for g in range(pf.metadata.num_row_groups)]
 
 
 def assert_same_as_arrow(path: Path, got: list) -> None:
@@ -43,7 +43,7 @@ def assert_same_as_arrow(path: Path, got: list) -> None:
     for g, lists in enumerate(got):
         want = pf.read_row_group(g)
         for mine, column in zip(lists, ("topk_ids", "topk_logprobs")):
-            arrow = diff._arrow_lists(want.column(column).combine_chunks(), path)
+            arrow = chunks._arrow_lists(want.column(column).combine_chunks(), path)
             n = want.num_rows
             (off, lengths), (a_off, a_lengths) = mine.rows(0, n), arrow.rows(0, n)
             assert np.array_equal(lengths, a_lengths)

@@ -198,7 +198,8 @@ def test_vllm_engine_arguments_are_part_of_a_vllm_cells_settings_only():
     """A resumed run must not reuse a vLLM cell made with other engine arguments (they can move bits)."""
     from pathlib import Path
 
-    from repaudit.run import ModelRef, cell_settings
+    from repaudit.model import ModelRef
+    from repaudit.run import cell_settings
     from repaudit.probes import load_suite
 
     m = Matrix(model="x", engines=("hf", "vllm"), tps=(1,), batch_sizes=(1,), modes=("generate",), device="cuda",

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..diff import Thresholds
+from ..compare.result import Thresholds
 from ..files import write_text_atomic
 from ..gate import GateResult, RunInfo
 from .build import ReportData, build_pair, build_run

@@ -13,7 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from ..diff import DiffResult, PromptDiff, diff_records
+from ..compare.diff import diff_records
+from ..compare.result import DiffResult, PromptDiff
 from ..errors import InputError
 from ..floats import ulp_distance_bits
 from ..gate import PairOutcome

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..diff import DiffResult, Thresholds
+from ..compare.result import DiffResult, Thresholds
 from ..fingerprint import COMPARED, settings
 from ..gate import GateResult, PairOutcome, RunInfo, gate_run, threshold_args
 from ..records import read_meta

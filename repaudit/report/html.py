@@ -1,4 +1,8 @@
-"""report.html: one self-contained page (inline CSS and SVG; no script, no network)."""
+"""report.html: one self-contained page (inline CSS and SVG; no script, no network).
+
+Longer than 450 lines because it is one page: its CSS and each section's markup, in the order
+the page shows them, so that the page reads top to bottom here too. The numbers come ready-made
+from analysis.py and tables.py."""
 
 from __future__ import annotations
 

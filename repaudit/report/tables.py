@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ..diff import DiffResult
+from ..compare.result import DiffResult
 from ..render import held, num, one_sided, pct
 from .analysis import (RATIO_CENTER, LogRatioHistogram, PairView, PromptDivergence, UlpHistogram, bin_label,
                        log_ratio_position)
