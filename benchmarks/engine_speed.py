@@ -33,7 +33,7 @@ import torch.distributed as dist  # noqa: E402
 
 def _prompts(model_id: str, n: int, new: int):
     from repaudit.probes import load_suite
-    from repaudit.model import load_tokenizer, resolve_model, tokenize
+    from repaudit.run.model import load_tokenizer, resolve_model, tokenize
 
     ref = resolve_model(model_id)
     tok = load_tokenizer(ref, False)
@@ -100,7 +100,7 @@ def main() -> None:
 
     from repaudit.engines import hf
     from repaudit.engines.base import Sequence
-    from repaudit.kernelmodes import kernel_mode
+    from repaudit.run.kernelmodes import kernel_mode
 
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))

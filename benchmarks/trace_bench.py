@@ -26,8 +26,8 @@ from repaudit import builtin  # noqa: E402
 from repaudit.engines import hf  # noqa: E402
 from repaudit.engines.base import Sequence  # noqa: E402
 from repaudit.probes import load_suite  # noqa: E402
-from repaudit.model import ModelRef, load_tokenizer, tokenize  # noqa: E402
-from repaudit.trace import Tracer  # noqa: E402
+from repaudit.run.model import ModelRef, load_tokenizer, tokenize  # noqa: E402
+from repaudit.run.trace import Tracer  # noqa: E402
 
 
 def main() -> None:

@@ -6,7 +6,7 @@ The Python API: write and read token records, diff two of them in memory.
 from .compare.diff import diff_records
 from .compare.result import DiffResult, Thresholds
 from .errors import InputError
-from .records import RecordMeta, load_frame, read_meta, write_record
+from .record.io import RecordMeta, load_frame, read_meta, write_record
 
 __version__ = "0.1.0"
 

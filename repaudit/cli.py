@@ -142,10 +142,10 @@ def run(
     """Run the audit matrix and compare every cell with its reference."""
     import sys as _sys
 
-    from . import nccl as nccl_presets
-    from .launch import Rendezvous
-    from .plan import Matrix
-    from .run import RunOptions
+    from .run import nccl as nccl_presets
+    from .run.launch import Rendezvous
+    from .run.plan import Matrix
+    from .run.runner import RunOptions
 
     custom = dict(nccl_presets.parse_custom(s) for s in nccl_set)
     names = list(_csv(nccl, "--nccl"))
@@ -162,9 +162,8 @@ def run(
         out=out, cell_timeout=timeout, load_timeout=load_timeout, cpu_threads=cpu_threads,
         trust_remote_code=trust_remote_code, gate=gate, argv=["repaudit"] + _sys.argv[1:], side_by_side=side_by_side,
         rdzv=Rendezvous(nnodes=nnodes, node_rank=node_rank, endpoint=rdzv_endpoint),
-        thresholds=Thresholds(max_ulp=max_ulp, max_abs=max_abs),
     )
-    raise typer.Exit(commands.run(matrix, opts))
+    raise typer.Exit(commands.run(matrix, opts, thresholds=Thresholds(max_ulp=max_ulp, max_abs=max_abs)))
 
 
 @app.command()

@@ -11,9 +11,9 @@ from pathlib import Path
 from rich.console import Console
 
 from .compare.diff import diff_records
+from .compare.render import diff_markdown, print_diff
 from .compare.result import DEFAULT_CLIP, Thresholds
 from .files import write_json_atomic, write_text_atomic
-from .render import diff_markdown, print_diff
 
 
 def diff(
@@ -40,7 +40,7 @@ def diff(
 
 
 def _diff_html(a: Path, b: Path, result, html_path: Path) -> None:
-    from .gate import GateResult, PairOutcome
+    from .compare.gate import GateResult, PairOutcome
     from .report import write_pair_html
 
     ida, idb = result.a.cell_id, result.b.cell_id
@@ -58,7 +58,7 @@ def report(
     console: Console | None = None,
 ) -> int:
     """RUN_DIR/report.html and RUN_DIR/report.md. Exit 0 once written (the verdict is the gate's job), 2 on bad input."""
-    from .gate import load_run
+    from .compare.gate import load_run
     from .report import write_run_report
     from .report.headline import verdict
 
@@ -80,9 +80,9 @@ def gate(
     console: Console | None = None,
 ) -> int:
     """A run directory (every cell vs its reference) or two records (B vs A). 0 pass, 1 fail, 2 bad input."""
+    from .compare.gate import gate_files, gate_run, load_run, print_gate
     from .errors import InputError
-    from .gate import gate_files, gate_run, load_run, print_gate
-    from .junit import write_junit
+    from .report.junit import write_junit
 
     if len(paths) == 1:
         if not paths[0].exists():
@@ -105,7 +105,9 @@ def gate(
 RUN_NEEDS = ("torch", "transformers", "pandas")  # the [run] extra; diff, gate, report and locate need none
 
 
-def run(matrix, opts, console: Console | None = None) -> int:
+def run(matrix, opts, console: Console | None = None, thresholds: Thresholds = Thresholds()) -> int:
+    """`repaudit run`: the run stage, then summary.json from the gate's comparison of every cell with its
+    reference (inside the run's lock, on the leader)."""
     import importlib.util
 
     from .errors import InputError
@@ -113,9 +115,16 @@ def run(matrix, opts, console: Console | None = None) -> int:
     missing = [m for m in RUN_NEEDS if importlib.util.find_spec(m) is None]
     if missing:
         raise InputError(f"repaudit run needs {', '.join(missing)}, which this install lacks: pip install 'repaudit[run]'")
-    from .run import run as run_matrix
+    from .compare.summary import print_summary, summarize, write_summary
+    from .run.runner import run as run_matrix
 
-    return run_matrix(matrix, opts, console)
+    def summary(plan, run_dir: Path, manifest, console: Console) -> bool:
+        data = summarize(plan, run_dir, manifest, thresholds)
+        write_summary(data, run_dir)
+        print_summary(data, console)
+        return data["passed"]
+
+    return run_matrix(matrix, opts, console, summary)
 
 
 def _one_cell(path: Path) -> Path:
@@ -131,7 +140,7 @@ def _one_cell(path: Path) -> Path:
 
 
 def locate(a: Path, b: Path, *, json_path: Path | None = None, console: Console | None = None) -> int:
-    from .locate import locate as locate_cells, print_locate
+    from .compare.locate import locate as locate_cells, print_locate
 
     result = locate_cells(_one_cell(a), _one_cell(b))
     print_locate(result, console or Console())

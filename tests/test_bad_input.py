@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from repaudit import cli
-from repaudit import run as run_mod
+from repaudit.run import runner as run_mod
 from repaudit.errors import InputError
-from repaudit.plan import Matrix, ModelShape, expand, validate_against_model
+from repaudit.run.plan import Matrix, ModelShape, expand, validate_against_model
 
 RUN = ["run", "--model", "builtin:tiny-qwen3", "--probes", "smoke", "--max-new-tokens", "4", "--kernels", "stock"]
 

@@ -16,7 +16,7 @@ import pytest
 
 from repaudit import cli
 from repaudit.records import build_table
-from repaudit.schema import KEY_VERSION
+from repaudit.record.schema import KEY_VERSION
 
 PROMPTS = ("p0", "p1", "p2", "p3")
 LENGTH = 6
@@ -79,7 +79,7 @@ def test_one_flipped_bit_exits_1(make_record, capsys):
 
 
 def test_rates_are_truncated_never_rounded_up():
-    from repaudit.render import pct
+    from repaudit.compare.render import pct
 
     assert [pct(2, 3), pct(1, 3), pct(0, 7), pct(7, 7), pct(1, 0)] == ["66.66%", "33.33%", "0.00%", "100%", "n/a"]
     assert pct(10**17 - 1, 10**17) == "99.99%"  # a float quotient would round this to 100.00%

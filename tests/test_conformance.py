@@ -31,7 +31,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from repaudit.digest import row_digest, to_uint64  # noqa: E402
+from repaudit.record.digest import row_digest, to_uint64  # noqa: E402
 from repaudit.engines import hf  # noqa: E402
 from repaudit.engines.base import Sequence  # noqa: E402
 from repaudit.errors import InputError  # noqa: E402

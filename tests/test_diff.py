@@ -20,7 +20,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from repaudit import records
+from repaudit.record import io as records
 from repaudit.diff import DiffResult, Thresholds, cell_differences, comparability, diff_records, verdict
 from repaudit.errors import InputError
 

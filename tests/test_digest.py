@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from repaudit.digest import numpy_row_digest, row_digest, to_uint64
+from repaudit.record.digest import numpy_row_digest, row_digest, to_uint64
 
 SPECIAL = np.array([0x7FC00000, 0x7FC00001, 0xFFFFFFFF, 0x7F800001, 0x80000000, 0x00000000,
                     0x00000001, 0x80000001, 0x7F800000, 0xFF800000, 0x7F7FFFFF], dtype=np.uint32)

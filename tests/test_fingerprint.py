@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from repaudit import cli
-from repaudit.fingerprint import differences, settings
-from repaudit.jobspec import cell_path
+from repaudit.record.fingerprint import differences, settings
+from repaudit.run.jobspec import cell_path
 from repaudit.records import read_meta
 
 RANK = {"gpu": "H100", "driver": "550.1", "nccl": "2.21.5", "tf32_matmul": False, "deterministic_algorithms": False,

@@ -1,4 +1,4 @@
-"""ULP distance (repaudit.floats) against an independent reference that works from VALUES.
+"""ULP distance (repaudit.record.floats) against an independent reference that works from VALUES.
 
 The reference never looks at bit fields to place a float on the line: it decodes the bits to
 a value, then counts the representable non-negative values below |x| with math.frexp and
@@ -17,7 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from repaudit.floats import float_bits, is_nan_bits, ordered, ulp_distance, ulp_distance_bits
+from repaudit.record.floats import float_bits, is_nan_bits, ordered, ulp_distance, ulp_distance_bits
 
 # exponent bits, mantissa bits
 FORMATS = {"float32": (8, 23), "float16": (5, 10), "bfloat16": (8, 7)}

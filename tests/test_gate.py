@@ -106,8 +106,8 @@ def cases(root: ET.Element) -> dict[str, ET.Element]:
 
 
 def test_reference_pairs_follow_the_plan(tmp_path):
-    from repaudit.gate import load_run
-    from repaudit.plan import reference_pairs
+    from repaudit.compare.gate import load_run
+    from repaudit.run.plan import reference_pairs
 
     run = load_run(make_run(tmp_path))
     pairs = [(c.id, r.id) for c, r in reference_pairs(run.plan)]
@@ -115,8 +115,8 @@ def test_reference_pairs_follow_the_plan(tmp_path):
 
 
 def test_manifest_with_another_baseline_and_reference_per(tmp_path):
-    from repaudit.gate import load_run
-    from repaudit.plan import reference_pairs
+    from repaudit.compare.gate import load_run
+    from repaudit.run.plan import reference_pairs
 
     run_dir = make_run(tmp_path)
     m = json.loads((run_dir / "manifest.json").read_text())
@@ -320,8 +320,8 @@ def test_usage_exit_2(tmp_path, capsys):
 
 
 def test_junit_escapes_hostile_text(tmp_path):
-    from repaudit.gate import PairOutcome, GateResult
-    from repaudit.junit import junit_xml
+    from repaudit.compare.gate import PairOutcome, GateResult
+    from repaudit.report.junit import junit_xml
 
     evil = 'cell <&> "quoted" \x01\x1b[31m \ud800 ]]> end'
     g = GateResult("run.with dots", [PairOutcome(evil, "ref", failure=f"reason {evil}", failure_type="cell-not-completed")],

@@ -117,7 +117,7 @@ def test_vllm_shaped_forward_gives_the_transformers_tbik_bits(model, device):
     import tbik
     from repaudit.engines import hf
     from repaudit.engines.base import Sequence
-    from repaudit.kernelmodes import kernel_mode
+    from repaudit.run.kernelmodes import kernel_mode
 
     hfm = _load(model, device)
     rng = np.random.default_rng(7)

@@ -9,6 +9,12 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "repaudit"
 MAX_LINES = 450
+# The stages in the order data flows through them (engines make rows, run writes them as records,
+# compare reads records and run directories, report renders comparisons). A module may import its
+# own stage and earlier ones; shared modules (errors, files, builtin, probes) import no stage, and
+# the entry points (cli, commands, the package's public API) may import any.
+STAGES = ["record", "engines", "run", "compare", "report"]
+SHARED = {"repaudit.errors", "repaudit.files", "repaudit.builtin", "repaudit.probes"}
 REASON = "Longer than 450 lines because"
 
 
@@ -77,7 +83,7 @@ def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
 
 def test_no_import_cycles():
     edges, _ = _graph()
-    assert len(edges) > 30 and "repaudit.compare.result" in edges["repaudit.summary"]  # the scan sees the package
+    assert len(edges) > 30 and "repaudit.compare.result" in edges["repaudit.compare.summary"]  # the scan sees the package
     assert _cycles(edges) == []
 
 
@@ -95,3 +101,29 @@ def test_a_long_module_says_why():
             if (n := len(p.read_text().splitlines())) > MAX_LINES}
     unexplained = [f"{m} ({n} lines)" for m, n in long.items() if REASON not in (ast.get_docstring(ast.parse((PACKAGE.parent / m).read_text())) or "")]
     assert unexplained == []
+
+
+def _stage(module: str) -> int | None:
+    """Index in STAGES, -1 for a shared module, None for an entry point."""
+    if module in SHARED:
+        return -1
+    parts = module.split(".")
+    return STAGES.index(parts[1]) if len(parts) > 2 and parts[1] in STAGES else None
+
+
+def reaching_up(edges: dict[str, set[str]]) -> list[str]:
+    out = []
+    for m, targets in edges.items():
+        own = _stage(m)
+        if own is None:
+            continue
+        out += [f"{m} imports {t}" for t in sorted(targets) if _stage(t) is None or _stage(t) > own]
+    return out
+
+
+def test_no_stage_reaches_up_into_a_later_one():
+    edges, _ = _graph()
+    assert {_stage(m) for m in edges} >= {-1, 0, 1, 2, 3, 4, None}  # every stage is a package of its own
+    assert reaching_up(edges) == []
+    assert reaching_up({"repaudit.record.io": {"repaudit.run.plan"}, "repaudit.errors": {"repaudit.cli"}}) == [
+        "repaudit.record.io imports repaudit.run.plan", "repaudit.errors imports repaudit.cli"]

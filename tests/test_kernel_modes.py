@@ -16,10 +16,10 @@ import pytest
 
 from repaudit import commands
 from repaudit.diff import diff_records
-from repaudit.jobspec import cell_path
+from repaudit.run.jobspec import cell_path
 from repaudit.records import load_frame
-from repaudit.plan import Matrix
-from repaudit.run import RunOptions
+from repaudit.run.plan import Matrix
+from repaudit.run.runner import RunOptions
 
 pytestmark = pytest.mark.slow
 

@@ -61,8 +61,8 @@ def test_diff_runs_without_the_heavy_packages(tmp_path):
 def test_gate_report_and_locate_run_without_the_heavy_packages(tmp_path):
     """On a traced CPU run (made with the full install), the light process gates it, writes its
     reports and locates the first divergent module."""
-    from repaudit.plan import Matrix
-    from repaudit.run import RunOptions
+    from repaudit.run.plan import Matrix
+    from repaudit.run.runner import RunOptions
 
     out = tmp_path / "run"
     matrix = Matrix(model="builtin:tiny-qwen3", device="cpu", dtype="float32", probes="smoke", tps=(1, 2),

@@ -7,9 +7,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from repaudit import nccl
-from repaudit.nccl import debug_env, group_observation, mismatches, observe
-from repaudit.rundir import Manifest
+from repaudit.run import nccl
+from repaudit.run.nccl import debug_env, group_observation, mismatches, observe
+from repaudit.run.rundir import Manifest
 
 # NCCL 2.24 - 2.30, rank 0, subsystem TUNING. Format string of NVIDIA/nccl src/enqueue.cc
 # (v2.24.3-1 line 678, v2.28.9-1 line 741): "%s: %ld Bytes -> Algo %s proto %s channel{Lo..Hi}={%d..%d}",
@@ -102,7 +102,7 @@ def test_the_manifest_gets_the_summary_and_the_warning(tmp_path: Path):
 
 
 def test_debug_variables_are_set_for_gpu_jobs_only(monkeypatch):
-    from repaudit import run
+    from repaudit.run import runner as run
 
     assert debug_env((2, 27, 3)) == {"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "TUNING"}
     assert debug_env((2, 21, 5)) == {"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "TUNING,COLL"}
@@ -123,9 +123,10 @@ def test_a_gpu_run_records_what_nccl_did_per_launch_group(tmp_path: Path, monkey
     import torch
     from rich.console import Console
 
-    from repaudit import commands, run
-    from repaudit.launch import CellOutcome, GroupOutcome
-    from repaudit.plan import Matrix
+    from repaudit import commands
+    from repaudit.run import runner as run
+    from repaudit.run.launch import CellOutcome, GroupOutcome
+    from repaudit.run.plan import Matrix
 
     seen_env = {}
 

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from repaudit import nccl
+from repaudit.run import nccl
 from repaudit.errors import InputError
-from repaudit.plan import Matrix, ModelShape, expand, validate_against_model
+from repaudit.run.plan import Matrix, ModelShape, expand, validate_against_model
 from repaudit.probes import builtin_suites, load_suite
 
 QWEN_LIKE = ModelShape("qwen3", num_attention_heads=16, num_key_value_heads=8, intermediate_size=192, vocab_size=384,

@@ -12,10 +12,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from repaudit import records
+from repaudit.record import io as records
 from repaudit.errors import InputError
 from repaudit.records import RecordMeta, build_table, load_frame, open_record, read_meta, write_record, write_table
-from repaudit.schema import KEY_CELL, KEY_ENV, KEY_PROMPTS, KEY_TOPK, KEY_VERSION, REQUIRED_KEYS, SCHEMA
+from repaudit.record.schema import KEY_CELL, KEY_ENV, KEY_PROMPTS, KEY_TOPK, KEY_VERSION, REQUIRED_KEYS, SCHEMA
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "format.md"
 

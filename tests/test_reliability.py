@@ -24,8 +24,8 @@ from types import SimpleNamespace
 import pytest
 
 from repaudit import cli
-from repaudit import run as run_mod
-from repaudit.rundir import Manifest
+from repaudit.run import runner as run_mod
+from repaudit.run.rundir import Manifest
 
 pytestmark = pytest.mark.slow
 

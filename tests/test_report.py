@@ -14,7 +14,7 @@ import pytest
 
 from repaudit import cli
 from repaudit.diff import Thresholds, diff_records
-from repaudit.gate import load_run
+from repaudit.compare.gate import load_run
 from repaudit.report import build_run, render_html, render_markdown
 from repaudit.report.analysis import (RATIO_CENTER, bin_label, log_ratio_bin, log_ratio_histogram, log_ratio_labels,
                                       log_ratio_position, prompt_divergence, ulp_bin, ulp_histogram)
@@ -223,7 +223,7 @@ def test_run_report_with_failures_divergence_and_hostile_text(tmp_path, capsys):
 
 def test_rates_never_round_up_to_100(tmp_path):
     from repaudit.report.build import build_pair
-    from repaudit.gate import gate_files
+    from repaudit.compare.gate import gate_files
 
     prompts = tuple(f"p{i:04d}" for i in range(2000))  # 10,000 rows
     a = record(tmp_path / "a.parquet", "a", prompts=prompts)
@@ -254,7 +254,7 @@ def test_diff_html(tmp_path, capsys):
 
 
 def test_reports_show_topk_and_columns_held_on_one_side(tmp_path, capsys):
-    from repaudit.gate import gate_files
+    from repaudit.compare.gate import gate_files
     from repaudit.report.build import build_pair
 
     a = record(tmp_path / "a.parquet", "cell-a", topk={})

@@ -189,8 +189,8 @@ def check_page(html: Path, png: Path) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory) -> Path:
     from repaudit import commands
-    from repaudit.plan import Matrix
-    from repaudit.run import RunOptions
+    from repaudit.run.plan import Matrix
+    from repaudit.run.runner import RunOptions
 
     out = tmp_path_factory.mktemp("e2e") / "cpu-tp12"
     matrix = Matrix(model="builtin:tiny-qwen3", device="cpu", dtype="float32", probes="smoke", tps=(1, 2), batch_sizes=(1, 4))
@@ -213,7 +213,7 @@ SHOT = os.environ.get("REPAUDIT_SCREENSHOT")  # also copy the screenshot here (e
 
 
 def _pct_rows(summary: dict) -> list[tuple[str, str]]:
-    from repaudit.render import pct
+    from repaudit.compare.render import pct
 
     return [(r["cell"], f"{r['bitwise_equal']}/{r['compared']} ({pct(r['bitwise_equal'], r['compared'])})")
             for r in summary["cells"] if r["cell"] != r["reference"]]

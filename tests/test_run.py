@@ -14,10 +14,10 @@ import pytest
 
 from repaudit import commands
 from repaudit.diff import diff_records
-from repaudit.jobspec import cell_path
-from repaudit.plan import Matrix
+from repaudit.run.jobspec import cell_path
+from repaudit.run.plan import Matrix
 from repaudit.records import load_frame, read_meta
-from repaudit.run import RunOptions
+from repaudit.run.runner import RunOptions
 
 pytestmark = pytest.mark.slow
 
@@ -134,7 +134,7 @@ def test_inside_an_existing_torchrun_job(matrix_run: Path, tmp_path: Path):
 def test_chat_suite_goes_through_the_chat_template(tmp_path: Path):
     from repaudit import builtin
     from repaudit.probes import load_suite
-    from repaudit.model import ModelRef, load_tokenizer, tokenize
+    from repaudit.run.model import ModelRef, load_tokenizer, tokenize
 
     path = builtin.ensure("builtin:tiny-qwen3")
     tok = load_tokenizer(ModelRef("builtin:tiny-qwen3", path, None), False)
@@ -154,7 +154,7 @@ API_MATRIX = Matrix(model="builtin:tiny-qwen3", probes="smoke", tps=(1,), batch_
 def api_run(tmp_path_factory):
     """A run through the Python API with its defaults (dtype="auto"), watching the manifest on disk
     each time a cell reports done, while its launch group still runs."""
-    from repaudit import run as run_mod
+    from repaudit.run import runner as run_mod
 
     out = tmp_path_factory.mktemp("api") / "run"
     on_disk: dict[str, str] = {}
@@ -209,10 +209,10 @@ def test_a_reused_cell_keeps_its_numbers(api_run):
 
 def test_a_score_cells_reference_is_one_of_its_settings():
     """A run resumed with another baseline must not reuse score cells that scored other tokens."""
-    from repaudit.plan import Matrix, expand
+    from repaudit.run.plan import Matrix, expand
     from repaudit.probes import load_suite
-    from repaudit.model import ModelRef
-    from repaudit.run import cell_settings
+    from repaudit.run.model import ModelRef
+    from repaudit.run.runner import cell_settings
 
     plan = expand(Matrix(model="x", tps=(1, 2), batch_sizes=(1,), modes=("generate", "score"), device="cpu"))
     ref, suite = ModelRef("x", Path("/m"), None), load_suite("smoke")
@@ -227,7 +227,7 @@ def test_groups_side_by_side_give_the_records_of_groups_one_by_one(matrix_run: P
     """The launcher's side-by-side path (threads, a job per group, GPUs shared out), driven on CPU
     with three stand-in GPU slots: the TP=2 group starts beside the TP=1 group, its score cells
     wait for the reference cell, and every record is the one-by-one run's, byte for byte."""
-    from repaudit import run as run_mod
+    from repaudit.run import runner as run_mod
 
     slots: list[list[str]] = []
     real_launch = run_mod.run_side_by_side
@@ -252,7 +252,7 @@ def test_a_failed_reference_releases_the_score_cells_of_its_own_groups_next_job(
     """Side by side, score cells wait for the reference record. When the reference cell fails, the
     launcher starts a new job for the cells left, in the same group: those score cells must learn
     at once that the reference will not come, not wait for their own group to end."""
-    from repaudit import run as run_mod
+    from repaudit.run import runner as run_mod
 
     monkeypatch.setattr(run_mod, "_side_by_side_gpus", lambda plan, opts, inplace: [""])
     monkeypatch.setenv("REPAUDIT_FAULT", "raise:hf-tp1-bs1-default-stock-generate")
@@ -271,9 +271,9 @@ def test_the_run_summary_reads_whole_in_an_80_column_log(matrix_run: Path):
 
     from rich.console import Console
 
-    from repaudit.gate import short_names
-    from repaudit.render import pct
-    from repaudit.summary import print_summary
+    from repaudit.compare.gate import short_names
+    from repaudit.compare.render import pct
+    from repaudit.compare.summary import print_summary
 
     summary = json.loads((matrix_run / "summary.json").read_text())
     buf = io.StringIO()
@@ -301,9 +301,9 @@ def test_run_summary_and_gate_give_one_verdict_on_every_pair(matrix_run: Path, t
     import shutil
 
     from repaudit.diff import Thresholds
-    from repaudit.gate import gate_run, load_run
-    from repaudit.rundir import Manifest
-    from repaudit.summary import summarize
+    from repaudit.compare.gate import gate_run, load_run
+    from repaudit.run.rundir import Manifest
+    from repaudit.compare.summary import summarize
 
     for broken in (False, True):
         run_dir = matrix_run

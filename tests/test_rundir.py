@@ -18,11 +18,11 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from repaudit import worker
+from repaudit.run import worker
 from repaudit.engines.base import TokenRows
 from repaudit.errors import InputError
-from repaudit.jobspec import cell_path
-from repaudit.rundir import RunLock, orphaned_workers
+from repaudit.run.jobspec import cell_path
+from repaudit.run.rundir import RunLock, orphaned_workers
 
 
 def _wait_gone(pid: int, timeout: float = 10) -> None:
@@ -47,7 +47,7 @@ def test_the_lock_outlives_a_killed_run_through_its_job(tmp_path: Path):
     script = (
         "import os, signal, subprocess, sys\n"
         "from pathlib import Path\n"
-        "from repaudit.rundir import RunLock\n"
+        "from repaudit.run.rundir import RunLock\n"
         "lock = RunLock(Path(sys.argv[1])).__enter__()\n"
         "job = subprocess.Popen(['sleep', '60'], pass_fds=(lock.fd,), start_new_session=True,\n"
         "                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)\n"
@@ -82,7 +82,7 @@ def test_workers_that_outlived_their_job_keep_a_new_run_out(tmp_path: Path):
     """Their torchrun is gone, and with it the lock; the pids the workers reported are checked instead,
     and only a process that is still that job's worker counts (a pid may have been reused)."""
     spec = tmp_path / "jobs" / "node0" / "hf-tp2-default.1.json"
-    orphan = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "-m", "repaudit.worker", str(spec)])
+    orphan = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "-m", "repaudit.run.worker", str(spec)])
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])  # a reused pid
     dead = subprocess.Popen(["true"])
     dead.wait()

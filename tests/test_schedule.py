@@ -1,11 +1,11 @@
-"""Launch groups side by side on a node's GPUs (repaudit.schedule), with fake launches."""
+"""Launch groups side by side on a node's GPUs (repaudit.run.schedule), with fake launches."""
 
 import threading
 import time
 
 import pytest
 
-from repaudit.schedule import run_side_by_side, visible_gpus
+from repaudit.run.schedule import run_side_by_side, visible_gpus
 
 WAIT_S = 5.0
 
@@ -66,8 +66,8 @@ def test_children_name_the_parents_own_gpus(monkeypatch):
 
 @pytest.mark.parametrize("arrives", ["record", "marker"])
 def test_a_score_cell_waits_for_the_reference_or_the_word_that_it_will_not_come(tmp_path, arrives):
-    from repaudit.jobspec import JobSpec, cell_path
-    from repaudit.worker import _await_reference
+    from repaudit.run.jobspec import JobSpec, cell_path
+    from repaudit.run.worker import _await_reference
 
     marker = tmp_path / "jobs" / "reference-failed"
     marker.parent.mkdir()
@@ -85,3 +85,24 @@ def test_a_score_cell_waits_for_the_reference_or_the_word_that_it_will_not_come(
     _await_reference(spec, {"mode": "score"})
     assert time.monotonic() - t0 >= 0.6 and target.exists()
     timer.join()
+
+
+def _torchrun_failures(*ranks: tuple[int, int]) -> str:
+    """The tail torchrun prints when ranks fail: (rank, exitcode) each."""
+    out = "Failures:\n"
+    for rank, code in ranks:
+        out += f"[{rank}]:\n  time      : now\n  host      : h\n  rank      : {rank} (local_rank: {rank})\n"
+        out += f"  exitcode  : {code} (pid: 1)\n  error_file: <N/A>\n  traceback : Signal {-code} received\n"
+    return out
+
+
+def test_a_rank_killed_from_outside_is_the_cause_but_an_abort_is_not():
+    """SIGKILL (the OOM killer, a user) is named as the cause; SIGABRT is a rank aborting itself after
+    a peer failed first (gloo), and SIGTERM is torchrun ending the survivors: the peer's own reason stands."""
+    import signal
+
+    from repaudit.run.launch import killed_rank
+
+    assert killed_rank(_torchrun_failures((1, -signal.SIGKILL), (0, 1))) == "rank 1 killed by SIGKILL"
+    assert killed_rank(_torchrun_failures((1, -signal.SIGABRT), (0, 1))) is None
+    assert killed_rank(_torchrun_failures((0, -signal.SIGTERM))) is None

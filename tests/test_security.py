@@ -14,7 +14,7 @@ from pathlib import Path
 
 from repaudit import cli
 from repaudit.errors import InputError
-from repaudit.launch import Rendezvous, torchrun_command
+from repaudit.run.launch import Rendezvous, torchrun_command
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = [ROOT / "repaudit", ROOT / "kernels" / "tbik"]
@@ -124,8 +124,8 @@ def test_remote_code_is_refused_without_the_flag(tmp_path, capsys):
 
 
 def test_trust_remote_code_is_off_by_default():
-    from repaudit.jobspec import JobSpec
-    from repaudit.run import RunOptions
+    from repaudit.run.jobspec import JobSpec
+    from repaudit.run.runner import RunOptions
 
     assert RunOptions(out=Path("x")).trust_remote_code is False
     assert JobSpec.__dataclass_fields__["trust_remote_code"].default is False
@@ -220,7 +220,7 @@ def test_no_credential_reaches_any_file_of_a_run(tmp_path):
 
 
 def test_fingerprint_keeps_allow_listed_switches_and_redacts_credentials():
-    from repaudit.fingerprint import recorded_vars
+    from repaudit.record.fingerprint import recorded_vars
 
     got = recorded_vars({"NCCL_ALGO": "Ring", "CUBLAS_WORKSPACE_CONFIG": ":4096:8", "OMP_NUM_THREADS": "4",
                          "VLLM_BATCH_INVARIANT": "1", "VLLM_API_KEY": "x", "VLLM_HOST_IP": "10.0.0.1",

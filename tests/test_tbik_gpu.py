@@ -230,8 +230,8 @@ def test_batch_invariant_mode_on_cuda():
 def test_gpu_digest_kernel_equals_the_reference_digest(dtype):
     import numpy as np
 
-    from repaudit.digest import numpy_row_digest, row_digest
-    from repaudit.digest_kernel import digest_rows
+    from repaudit.record.digest import numpy_row_digest, row_digest
+    from repaudit.record.digest_kernel import digest_rows
 
     x = torch.randn(64, VOCAB, device="cuda").to(dtype)
     rows = torch.tensor([63, 0, 5], device="cuda")

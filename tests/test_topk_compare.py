@@ -137,7 +137,7 @@ def test_random_records_match_the_reference(tmp_path, seed, mode, k, ragged):
 
 
 def test_streaming_with_other_row_groups(tmp_path, monkeypatch):
-    from repaudit import records
+    from repaudit.record import io as records
 
     a, b = random_rows(9, "generate", 5, True)
     base = diff_records(write_rows(tmp_path / "a.parquet", a, 5), write_rows(tmp_path / "b.parquet", b, 5))

@@ -14,12 +14,12 @@ import pytest
 
 from repaudit import commands
 from repaudit.cli import main
-from repaudit.jobspec import cell_path
-from repaudit.locate import locate
-from repaudit.plan import Matrix
+from repaudit.run.jobspec import cell_path
+from repaudit.compare.locate import locate
+from repaudit.run.plan import Matrix
 from repaudit.records import load_frame
-from repaudit.run import RunOptions
-from repaudit.tracefile import SAMPLES, trace_path
+from repaudit.run.runner import RunOptions
+from repaudit.record.tracefile import SAMPLES, trace_path
 
 pytestmark = pytest.mark.slow
 

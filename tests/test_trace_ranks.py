@@ -15,7 +15,7 @@ import pytest
 from rich.console import Console
 
 from repaudit import builtin
-from repaudit.locate import locate, print_locate
+from repaudit.compare.locate import locate, print_locate
 
 pytestmark = pytest.mark.slow
 
@@ -28,8 +28,8 @@ SCRIPT = textwrap.dedent('''
     from pathlib import Path
     import numpy as np, torch, torch.distributed as dist
     from transformers import AutoModelForCausalLM
-    from repaudit.trace import Tracer
-    from repaudit.tracefile import write_trace
+    from repaudit.run.trace import Tracer
+    from repaudit.record.tracefile import write_trace
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     path, out, planted = sys.argv[1], Path(sys.argv[2]), sys.argv[3]

@@ -13,8 +13,8 @@ import pytest
 
 from repaudit.engines import vllm_engine, vllm_plugin
 from repaudit.engines.base import canonical_topk
-from repaudit.plan import Matrix, expand
-from repaudit.plan import expand_with
+from repaudit.run.plan import Matrix, expand
+from repaudit.run.plan import expand_with
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 
@@ -198,8 +198,8 @@ def test_vllm_engine_arguments_are_part_of_a_vllm_cells_settings_only():
     """A resumed run must not reuse a vLLM cell made with other engine arguments (they can move bits)."""
     from pathlib import Path
 
-    from repaudit.model import ModelRef
-    from repaudit.run import cell_settings
+    from repaudit.run.model import ModelRef
+    from repaudit.run.runner import cell_settings
     from repaudit.probes import load_suite
 
     m = Matrix(model="x", engines=("hf", "vllm"), tps=(1,), batch_sizes=(1,), modes=("generate",), device="cuda",
@@ -216,10 +216,10 @@ def test_vllm_engine_arguments_are_part_of_a_vllm_cells_settings_only():
 def test_a_vllm_job_is_one_plain_process_without_torchrun_variables():
     from pathlib import Path
 
-    from repaudit.launch import worker_command
+    from repaudit.run.launch import worker_command
 
     cmd = worker_command(Path("/r/spec.json"))
-    assert "torch.distributed.run" not in cmd and cmd[-3:] == ["-m", "repaudit.worker", "/r/spec.json"]
+    assert "torch.distributed.run" not in cmd and cmd[-3:] == ["-m", "repaudit.run.worker", "/r/spec.json"]
     env = {"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "0", "RANK": "0", "WORLD_SIZE": "1",
            "MASTER_PORT": "29500", "PATH": "/bin", "NCCL_ALGO": "Tree"}
     vllm_engine.scrub_launcher_env(env)

@@ -35,14 +35,13 @@ from typing import Iterator
 import numpy as np
 
 from ..errors import InputError
-from ..fingerprint import differences as env_differences
-from ..records import RecordMeta, open_record
+from ..record.fingerprint import differences as env_differences
+from ..record.io import RecordMeta, open_record
 from .accumulate import Accumulator, note_first, percentile
 from .chunks import Chunk, prefetched, read_chunks, same_keys
 from .result import (DEFAULT_CLIP, NO_DIVERGENCE, DiffResult, PromptDiff, Thresholds, cell_differences, comparability,
                      one_sided_gap)
 from .rl import rl_metrics
-
 
 # ------------------------------------------------------------------------------------ the merge
 

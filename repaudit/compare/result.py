@@ -9,8 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from ..records import RecordMeta
-
+from ..record.io import RecordMeta
 
 NO_DIVERGENCE = np.iinfo(np.int64).max
 

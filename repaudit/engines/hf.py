@@ -18,8 +18,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..digest import row_digest, to_uint64
 from ..errors import InputError
+from ..record.digest import row_digest, to_uint64
 from .base import Sequence, Timing, TokenRows, canonical_topk
 
 LOGIT_ROWS_PER_CHUNK = 256
@@ -35,7 +35,7 @@ class HFModel:
     eos_id: int | None
     pad_id: int
     log_softmax: Callable[[torch.Tensor], torch.Tensor]
-    tracer: Any = None  # a repaudit.trace.Tracer while a traced cell runs
+    tracer: Any = None  # a repaudit.run.trace.Tracer while a traced cell runs
 
 
 def _forward(hfm: HFModel, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..compare.gate import GateResult, RunInfo
 from ..compare.result import Thresholds
 from ..files import write_text_atomic
-from ..gate import GateResult, RunInfo
 from .build import ReportData, build_pair, build_run
 from .html import render_html
 from .md import render_markdown

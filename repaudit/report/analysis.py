@@ -14,10 +14,10 @@ from typing import Any
 import numpy as np
 
 from ..compare.diff import diff_records
+from ..compare.gate import PairOutcome
 from ..compare.result import DiffResult, PromptDiff
 from ..errors import InputError
-from ..floats import ulp_distance_bits
-from ..gate import PairOutcome
+from ..record.floats import ulp_distance_bits
 from .arrays import ArrayCache, RecordArrays
 from .tokens import TokenText
 

@@ -11,7 +11,7 @@ import numpy as np
 import pyarrow as pa
 
 from ..errors import InputError
-from ..records import open_record
+from ..record.io import open_record
 
 COLUMNS = ["prompt_id", "pos", "phase", "token_id", "logprob"]
 

@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import shlex
-from fractions import Fraction
 from dataclasses import dataclass, field
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
+from ..compare.gate import GateResult, PairOutcome, RunInfo, gate_run, threshold_args
 from ..compare.result import DiffResult, Thresholds
-from ..fingerprint import COMPARED, settings
-from ..gate import GateResult, PairOutcome, RunInfo, gate_run, threshold_args
-from ..records import read_meta
+from ..record.fingerprint import COMPARED, settings
+from ..record.io import read_meta
 from .analysis import DIMENSIONS, MatrixView, PairView, analyse_pair, cell_matrix, short_labels
 from .arrays import ArrayCache
 from .tokens import load_token_text
@@ -159,8 +159,8 @@ def build_run(run: RunInfo, thresholds: Thresholds, matrix_limit: int = MATRIX_L
 
 def _locates(pairs: list[PairOutcome]) -> list[tuple[str, str, Any]]:
     """`repaudit locate` for every compared pair whose two cells were traced (`run --trace`)."""
-    from ..locate import locate
-    from ..tracefile import trace_path
+    from ..compare.locate import locate
+    from ..record.tracefile import trace_path
 
     out = []
     for p in pairs:

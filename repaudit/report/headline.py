@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from fractions import Fraction
 
-from ..render import num, pct, verdict_line
+from ..compare.render import num, pct, verdict_line
 from .build import ReportData
 
 

@@ -7,18 +7,17 @@ from analysis.py and tables.py."""
 from __future__ import annotations
 
 import re
-
 from html import escape
 from typing import Any, Iterable
 
 from .. import __version__
-from ..render import pct
+from ..compare.render import pct
 from . import svg
 from .analysis import MatrixView, PairView, log_ratio_labels
 from .build import ReportData, env_table, value_text
 from .headline import tiles, verdict
-from .tables import (PAIR_HEADER, RL_HEADER, divergence_cells, failed_cells, hist_bins, hist_labels, hist_summary, pair_row,
-                     ratio_markers, ratio_summary, rate, rl_row, secs, timing_rows, timing_totals)
+from .tables import (PAIR_HEADER, RL_HEADER, divergence_cells, failed_cells, hist_bins, hist_labels, hist_summary, pair_row, rate,
+                     ratio_markers, ratio_summary, rl_row, secs, timing_rows, timing_totals)
 
 DIVERGENCE_ROWS = 50  # per pair in the page; report.md and `repaudit diff --markdown` list them all
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..render import pct
+from ..compare.render import pct
+from .analysis import log_ratio_labels
 from .build import ReportData, env_table, value_text
 from .headline import tiles, verdict
-from .analysis import log_ratio_labels
-from .tables import (PAIR_HEADER, RL_HEADER, divergence_cells, failed_cells, hist_bins, hist_labels, hist_summary, pair_row,
-                     ratio_summary, rate, rl_row, secs, timing_rows, timing_totals)
+from .tables import (PAIR_HEADER, RL_HEADER, divergence_cells, failed_cells, hist_bins, hist_labels, hist_summary, pair_row, rate,
+                     ratio_summary, rl_row, secs, timing_rows, timing_totals)
 
 
 def cell(x: Any) -> str:

@@ -5,10 +5,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from ..compare.render import held, num, one_sided, pct
 from ..compare.result import DiffResult
-from ..render import held, num, one_sided, pct
-from .analysis import (RATIO_CENTER, LogRatioHistogram, PairView, PromptDivergence, UlpHistogram, bin_label,
-                       log_ratio_position)
+from .analysis import RATIO_CENTER, LogRatioHistogram, PairView, PromptDivergence, UlpHistogram, bin_label, log_ratio_position
 from .build import CellView, ReportData
 
 

@@ -66,7 +66,7 @@ def load_token_text(path: str | os.PathLike | None, expected_sha256: str | None 
             why = f"{type(exc).__name__}"
             continue
         if expected_sha256:
-            from ..model import tokenizer_meta
+            from ..run.model import tokenizer_meta
 
             try:
                 got = tokenizer_meta(tok, "")["sha256"]

@@ -14,8 +14,8 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from tbik import _interpret  # noqa: E402
 
-from repaudit.digest import numpy_row_digest, row_digest  # noqa: E402
-from repaudit.digest_kernel import digest_rows  # noqa: E402
+from repaudit.record.digest import numpy_row_digest, row_digest  # noqa: E402
+from repaudit.record.digest_kernel import digest_rows  # noqa: E402
 
 _interpret.apply()  # NumPy 2.4 vs the interpreter's loop bounds
 

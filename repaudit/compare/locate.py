@@ -21,9 +21,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from .errors import InputError
-from .floats import ulp_distance_bits
-from .tracefile import KEY_CELL, KEY_MODULES, KEY_VERSION, TRACE_VERSION, trace_path
+from ..errors import InputError
+from ..record.floats import ulp_distance_bits
+from ..record.tracefile import KEY_CELL, KEY_MODULES, KEY_VERSION, TRACE_VERSION, trace_path
 
 
 @dataclass

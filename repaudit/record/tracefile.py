@@ -1,7 +1,7 @@
 """The trace file: one row per traced (prompt, position, module), a 64-bit digest of the module's
 output row and a few sampled features' bits (docs/trace.md). Reading and writing it needs no
 torch, so `repaudit locate` and `repaudit report` run on the light install; making one is
-repaudit.trace's job.
+repaudit.run.trace's job.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def trace_path(record_path: str | os.PathLike) -> Path:
 
 
 def write_trace(path: Path, table: pa.Table, modules: list[ModuleInfo], cell: dict[str, Any]) -> Path:
-    from .files import write_parquet_atomic
+    from ..files import write_parquet_atomic
 
     meta = {KEY_VERSION: str(TRACE_VERSION).encode(), KEY_CELL: json.dumps(cell, sort_keys=True).encode(),
             KEY_MODULES: json.dumps([asdict(m) for m in modules]).encode()}

@@ -16,11 +16,11 @@ from pathlib import Path
 
 import numpy as np
 
-from .engines.base import Sequence, Timing, TokenRows
+from ..engines.base import Sequence, Timing, TokenRows
+from ..record.io import RecordMeta, build_table, load_frame, write_table
 from .events import EventWriter
 from .faults import maybe_inject, write_faults
 from .jobspec import JobSpec, cell_path
-from .records import RecordMeta, build_table, load_frame, write_table
 
 REFERENCE_POLL_S = 0.5
 
@@ -46,7 +46,7 @@ def _init(spec: JobSpec):
 
 
 def _references(spec: JobSpec, rank: int) -> dict[str, list[int]] | None:
-    from .distutil import broadcast_json
+    from ..record.distutil import broadcast_json
 
     refs = None
     if rank == 0 and spec.reference_cell:
@@ -118,7 +118,7 @@ def _write(spec: JobSpec, cell: dict, rows: list[TokenRows], env: dict, traced) 
     path = cell_path(spec.out_dir, cell["id"])
     path.parent.mkdir(parents=True, exist_ok=True)
     if traced is not None:
-        from .tracefile import trace_path, write_trace
+        from ..record.tracefile import trace_path, write_trace
 
         write_trace(trace_path(path), traced[0], traced[1], cell)
     with write_faults(cell["id"], 0):
@@ -138,8 +138,8 @@ def _cell_failed(events: EventWriter, cid: str, exc: BaseException) -> None:
 def _run_vllm(spec: JobSpec, events: EventWriter, todo: list[dict]) -> None:
     """A vLLM job: this process is vLLM's driver (vLLM starts the TP workers itself); one kernel
     mode, its batch sizes and modes run on one LLM, as a transformers job's do on one model."""
-    from .engines import vllm_engine
-    from .fingerprint import environment
+    from ..engines import vllm_engine
+    from ..record.fingerprint import environment
 
     vllm_engine.scrub_launcher_env(os.environ)
     os.environ.update(vllm_engine.process_env(todo[0]["kernels"]))
@@ -173,9 +173,9 @@ def _run_vllm(spec: JobSpec, events: EventWriter, todo: list[dict]) -> None:
 def run_job(spec: JobSpec) -> None:
     import torch
 
-    from .distutil import broadcast_json, rows_where_ranks_differ
-    from .engines import hf
-    from .fingerprint import environment, gather_rank_settings
+    from ..engines import hf
+    from ..record.distutil import broadcast_json, rows_where_ranks_differ
+    from ..record.fingerprint import environment, gather_rank_settings
     from .kernelmodes import kernel_mode
 
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))

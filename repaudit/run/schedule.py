@@ -6,7 +6,7 @@ mode, each a minute or more of start-up) take the time of one. Groups start in p
 one that does not fit yet holds back those behind it, so the plan's order (the baseline's
 group first) is the order in which they start. A group does not wait for the reference cell
 before it starts: model loading is most of a job's time. Its score cells wait for it instead
-(repaudit.worker._await_reference).
+(repaudit.run.worker._await_reference).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from .errors import InputError
+from ..errors import InputError
 
 ENGINES = ("hf", "vllm")
 KERNELS = ("stock", "bi", "tbik")

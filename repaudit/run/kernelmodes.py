@@ -88,8 +88,9 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
 
 def _row_parallel_forward(module: torch.nn.Linear, group, tp: int):
     """y = tree_all_reduce(fp32 partial of this rank's K shard) + bias, then one cast."""
-    import tbik
     from torch.distributed.tensor import DTensor
+
+    import tbik
 
     def local(p):
         return p.to_local() if isinstance(p, DTensor) else p

@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import InputError
+from ..errors import InputError
+from ..files import write_json_atomic
 from .events import EventReader
-from .files import write_json_atomic
 
 MANIFEST_VERSION = 1
 
@@ -142,7 +142,7 @@ def _runs_spec(pid: int, spec_name: str) -> bool:
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
     except OSError:
         return False
-    return "repaudit.worker" in cmdline and any(arg.endswith(spec_name) for arg in cmdline)
+    return "repaudit.run.worker" in cmdline and any(arg.endswith(spec_name) for arg in cmdline)
 
 
 def remove_partial_files(run_dir: Path) -> list[Path]:

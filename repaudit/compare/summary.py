@@ -8,12 +8,12 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from .compare.result import Thresholds, json_float
-from .files import write_json_atomic, write_text_atomic
+from ..files import write_json_atomic, write_text_atomic
+from ..run.plan import CELL_SETTINGS, Plan, reference_delta, reference_pairs
+from ..run.rundir import Manifest
 from .gate import RunInfo, gate_run
-from .plan import CELL_SETTINGS, Plan, reference_delta, reference_pairs
 from .render import pct
-from .rundir import Manifest
+from .result import Thresholds, json_float
 
 
 def _rate(timing: dict[str, Any] | None, mode: str) -> float | None:
@@ -23,7 +23,7 @@ def _rate(timing: dict[str, Any] | None, mode: str) -> float | None:
 
 
 def summarize(plan: Plan, run_dir: Path, manifest: Manifest, thresholds: Thresholds) -> dict[str, Any]:
-    """summary.json: the gate's comparison of every cell with its reference (repaudit.gate.gate_run,
+    """summary.json: the gate's comparison of every cell with its reference (repaudit.compare.gate.gate_run,
     the one comparison and the one verdict that `repaudit gate` and the report use too), with
     each cell's settings and timings from the manifest."""
     gate = gate_run(RunInfo(run_dir, manifest.data, plan), thresholds)

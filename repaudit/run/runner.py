@@ -13,25 +13,24 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from . import builtin
-from .compare.result import Thresholds
-from .errors import InputError
-from .fingerprint import environment
-from .nccl import debug_env as nccl_debug_env, group_observation, torch_nccl_version
-from .jobspec import JobSpec, PromptSpec, cell_path
+from .. import builtin
+from ..errors import InputError
+from ..files import write_text_atomic
+from ..probes import Suite, load_suite
+from ..record.fingerprint import environment
+from ..record.io import RecordMeta, read_meta
 from .events import EventReader
-from .files import write_text_atomic
+from .jobspec import JobSpec, PromptSpec, cell_path
 from .launch import CellOutcome, GroupOutcome, Rendezvous, run_group
 from .model import ModelRef, load_tokenizer, model_shape, resolve_model, tokenize, tokenizer_meta
+from .nccl import debug_env as nccl_debug_env, group_observation, torch_nccl_version
 from .plan import Cell, Matrix, Plan, expand, expand_with, validate_against_model
-from .probes import Suite, load_suite
-from .records import RecordMeta, read_meta
 from .rundir import Manifest, RunLock, remove_partial_files
 from .schedule import run_side_by_side, visible_gpus
 
@@ -45,7 +44,6 @@ class RunOptions:
     trust_remote_code: bool = False
     rdzv: Rendezvous = field(default_factory=Rendezvous)
     gate: bool = False
-    thresholds: Thresholds = field(default_factory=Thresholds)
     argv: list[str] = field(default_factory=list)
     side_by_side: bool = True  # launch groups that fit on the node's GPUs at the same time
 
@@ -141,7 +139,10 @@ def check_options(matrix: Matrix, opts: RunOptions) -> None:
         raise InputError(f"--tp {','.join(map(str, matrix.tps))}: every TP size must be a multiple of --nnodes {r.nnodes}")
 
 
-def run(matrix: Matrix, opts: RunOptions, console: Console | None = None) -> int:
+def run(matrix: Matrix, opts: RunOptions, console: Console | None = None,
+        summarize: Callable[[Plan, Path, Manifest, Console], bool] | None = None) -> int:
+    """Run the matrix; then, on the leader, `summarize` compares the cells (the compare stage's job,
+    handed in so the run stage never imports it) and says whether every pair passed."""
     console = console or Console(stderr=False)
     started = time.perf_counter()
     check_options(matrix, opts)
@@ -163,11 +164,11 @@ def run(matrix: Matrix, opts: RunOptions, console: Console | None = None) -> int
             raise InputError("--device cuda: no CUDA GPU is visible (torch.cuda.device_count() is 0); use --device cpu")
     validate_against_model(plan, shape, visible, opts.rdzv.nnodes)
     if "hf" in matrix.engines:
-        from .engines import hf
+        from ..engines import hf
 
         hf.cfg_check(str(ref.path), opts.trust_remote_code)  # what the engine cannot run, refused before any job
     if "vllm" in matrix.engines:
-        from .engines import vllm_engine
+        from ..engines import vllm_engine
 
         vllm_engine.require(matrix.device, opts.rdzv.nnodes)
         if "tbik" in matrix.kernels:
@@ -234,16 +235,12 @@ def run(matrix: Matrix, opts: RunOptions, console: Console | None = None) -> int
             return 130
         if not leader:
             return 0
-        from .summary import print_summary, summarize, write_summary
-
-        summary = summarize(plan, run_dir, manifest, opts.thresholds)
-        write_summary(summary, run_dir)
-        print_summary(summary, console)
+        passed = summarize(plan, run_dir, manifest, console) if summarize else True
     failed = [cid for cid, c in manifest.data["cells"].items() if cid in settings and c.get("status") != "done"]
     if failed:
         console.print(f"[red]{len(failed)} cell(s) did not complete: {', '.join(failed)}[/] (reasons in {escape(str(run_dir / 'manifest.json'))})")
         return 1
-    if opts.gate and not summary["passed"]:
+    if opts.gate and not passed:
         return 1
     return 0
 

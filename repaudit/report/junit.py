@@ -15,8 +15,8 @@ import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-from .files import write_bytes_atomic
-from .gate import GateResult, case_details, case_message
+from ..compare.gate import GateResult, case_details, case_message
+from ..files import write_bytes_atomic
 
 # XML 1.0 forbids most control characters even when escaped; prompt ids and reasons are user text.
 _INVALID_XML = re.compile("[^\u0009\u000a\u000d\u0020-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")

@@ -10,7 +10,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from .compare.result import DiffResult
+from .result import DiffResult
 
 
 def pct(num: int, den: int) -> str:

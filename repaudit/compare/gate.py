@@ -18,13 +18,13 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from .compare.diff import diff_records
-from .compare.result import DiffResult, Thresholds
-from .errors import InputError
-from .jobspec import cell_path
-from .plan import Plan, plan_from_manifest, reference_delta, reference_pairs
+from ..errors import InputError
+from ..run.jobspec import cell_path
+from ..run.plan import Plan, plan_from_manifest, reference_delta, reference_pairs
+from ..run.rundir import Manifest
+from .diff import diff_records
 from .render import metric_rows, pct, verdict_line
-from .rundir import Manifest
+from .result import DiffResult, Thresholds
 
 
 @dataclass

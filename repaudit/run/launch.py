@@ -1,7 +1,7 @@
 """Run one launch group as a real distributed job and follow it to the end.
 
-Each attempt is `python -m torch.distributed.run ... -m repaudit.worker SPEC` in a new
-process session (a vLLM job: `python -m repaudit.worker SPEC` alone, see worker_command). The launcher tails the workers' events, enforces the per-cell timeout, and
+Each attempt is `python -m torch.distributed.run ... -m repaudit.run.worker SPEC` in a new
+process session (a vLLM job: `python -m repaudit.run.worker SPEC` alone, see worker_command). The launcher tails the workers' events, enforces the per-cell timeout, and
 after any failure starts a new attempt with the cells that are left, so one bad cell never
 costs the others. A job is ended by its own process ids (the torchrun session and every
 worker pid the workers reported), never by name.
@@ -21,8 +21,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from ..files import write_text_atomic
 from .events import EventReader
-from .files import write_text_atomic
 from .jobspec import JobSpec
 
 POLL_S = 0.2
@@ -66,7 +66,7 @@ def worker_command(spec_path: Path) -> list[str]:
     TORCHELASTIC_USE_AGENT_STORE=True, which makes every torch.distributed store a client of
     torchrun's agent, so vLLM's own process group (a tcp:// store it means to host) waits
     forever for a server that does not exist."""
-    return [sys.executable, "-m", "repaudit.worker", str(spec_path)]
+    return [sys.executable, "-m", "repaudit.run.worker", str(spec_path)]
 
 
 def torchrun_command(spec_path: Path, nproc: int, rdzv: Rendezvous, attempt: int, log_dir: Path) -> list[str]:
@@ -80,7 +80,7 @@ def torchrun_command(spec_path: Path, nproc: int, rdzv: Rendezvous, attempt: int
         # records) is on node 0; c10d's dynamic rendezvous orders nodes by arrival instead.
         host, _, port = rdzv.endpoint.rpartition(":")
         cmd += [f"--nnodes={rdzv.nnodes}", f"--node-rank={rdzv.node_rank}", f"--master-addr={host}", f"--master-port={port}"]
-    return cmd + ["-m", "repaudit.worker", str(spec_path)]
+    return cmd + ["-m", "repaudit.run.worker", str(spec_path)]
 
 
 _FAILURE = re.compile(r"rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+).*?traceback\s*:\s*([^\n]*)", re.S)
@@ -98,13 +98,14 @@ def killed_rank(log_text: str) -> str | None:
 
     Such a death is the cause, whatever its peers reported afterwards (a gloo/NCCL error,
     torchrun's SIGTERM), and torchrun's "root cause" may name a peer when both were seen in
-    the same monitor pass. SIGTERM is what torchrun sends to the survivors of a failure, so
-    it never counts here.
+    the same monitor pass. SIGTERM is what torchrun sends to the survivors of a failure, and
+    SIGABRT is what a rank sends itself (gloo aborts when a peer that failed first closes the
+    connection), so neither counts here.
     """
     tail = log_text[log_text.rfind("Failures:"):] if "Failures:" in log_text else ""
     for m in _FAILURE.finditer(tail):
         code = int(m.group(2))
-        if code < 0 and -code != signal.SIGTERM:
+        if code < 0 and -code not in (signal.SIGTERM, signal.SIGABRT):
             return f"rank {m.group(1)} killed by {_signal_name(-code)}"
     return None
 

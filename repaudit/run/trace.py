@@ -26,8 +26,8 @@ import torch
 import torch.distributed as dist
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from .digest import row_digest
-from .tracefile import SAMPLES, SCHEMA, ModuleInfo
+from ..record.digest import row_digest
+from ..record.tracefile import SAMPLES, SCHEMA, ModuleInfo
 
 _BITS = {torch.float32: (torch.int32, 0xFFFFFFFF, "float32"), torch.bfloat16: (torch.int16, 0xFFFF, "bfloat16"),
          torch.float16: (torch.int16, 0xFFFF, "float16")}
@@ -117,7 +117,7 @@ class Tracer:
             calls.pick = idx.clamp(0, local - 1)
         # Features another rank owns count 0 in the samples; the all-reduce in finish() adds them in.
         if whole.is_cuda:
-            from .digest_kernel import digest_rows  # triton: imported only where a GPU runs
+            from ..record.digest_kernel import digest_rows  # triton: imported only where a GPU runs
 
             digests, samples = digest_rows(whole, rows, offset, calls.pick, calls.owned)
         else:

@@ -10,11 +10,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import builtin
-from .errors import InputError
+from .. import builtin
+from ..errors import InputError
+from ..probes import Suite
 from .jobspec import PromptSpec
 from .plan import ModelShape
-from .probes import Suite
 
 DEFAULT_MAX_NEW_TOKENS = 32
 
