@@ -24,7 +24,8 @@ from ..run.plan import Plan, plan_from_manifest, reference_delta, reference_pair
 from ..run.rundir import Manifest
 from .diff import diff_records
 from .render import metric_rows, pct, verdict_line
-from .result import DiffResult, Thresholds
+from .result import DEFAULT_CLIP, DiffResult, Thresholds
+from .stored import Store
 
 
 @dataclass
@@ -131,8 +132,9 @@ def _not_done(cell_id: str, entry: dict[str, Any]) -> str:
     return f"cell {cell_id} did not complete ({status}" + (f": {reason})" if reason else ")")
 
 
-def compare_pair(run: RunInfo, cell_id: str, ref_id: str, thresholds: Thresholds) -> PairOutcome:
-    """One cell against its reference, the way summary.json does it; failures instead of exceptions."""
+def compare_pair(run: RunInfo, cell_id: str, ref_id: str, thresholds: Thresholds, store: Store | None = None) -> PairOutcome:
+    """One cell against its reference, the way summary.json does it; failures instead of exceptions.
+    With a store, a diff made before from the same two files is read back instead of made again."""
     entry, ref_entry = run.entry(cell_id), run.entry(ref_id)
     a, b = run.path(ref_id), run.path(cell_id)
     out = PairOutcome(cell_id, ref_id, seconds=entry.get("seconds"), path_a=a, path_b=b)
@@ -144,15 +146,24 @@ def compare_pair(run: RunInfo, cell_id: str, ref_id: str, thresholds: Thresholds
         if not p.is_file():
             out.failure, out.failure_type = f"record {p} is missing although the manifest says the cell is done", "record-missing"
             return out
+    out.result = store.get(cell_id, ref_id, a, b, DEFAULT_CLIP, thresholds) if store else None
+    if out.result is not None:
+        return out
     try:
         out.result = diff_records(a, b, thresholds=thresholds)
     except InputError as exc:
         out.failure, out.failure_type = str(exc), "record-unreadable"
+        return out
+    if store:
+        store.put(cell_id, ref_id, a, b, DEFAULT_CLIP, out.result)
     return out
 
 
 def gate_run(run: RunInfo, thresholds: Thresholds) -> GateResult:
+    """Every cell against its reference, each pair diffed once per pair of files: the diffs are kept
+    in the run directory (stored.py) for the next gate, report or summary to read."""
     pairs, refs = [], []
+    store = Store(run.run_dir)
     for cell, reference in reference_pairs(run.plan):
         if cell == reference:
             entry = run.entry(cell.id)
@@ -160,9 +171,10 @@ def gate_run(run: RunInfo, thresholds: Thresholds) -> GateResult:
                 refs.append(PairOutcome(cell.id, cell.id, failure=_not_done(cell.id, entry), failure_type="cell-not-completed",
                                         seconds=entry.get("seconds"), reference_only=True))
             continue
-        pair = compare_pair(run, cell.id, reference.id, thresholds)
+        pair = compare_pair(run, cell.id, reference.id, thresholds, store)
         pair.delta = reference_delta(cell, reference)
         pairs.append(pair)
+    store.save()
     m = run.manifest
     props = {
         "run_dir": str(run.run_dir), "baseline": run.plan.baseline.id,
