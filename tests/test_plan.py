@@ -134,3 +134,21 @@ def test_auto_device_and_dtype_are_resolved_by_the_plan(monkeypatch):
     assert expand(Matrix(model="m", device="auto")).matrix.device == "cpu"
     with pytest.raises(InputError, match="--device 'tpu': expected auto, cpu or cuda"):
         expand(Matrix(model="m", device="tpu"))
+
+
+def test_the_matrix_round_trips_through_the_manifest():
+    """One writer and one reader of the manifest's matrix: every field comes back, through JSON."""
+    import json
+
+    from repaudit.run.plan import plan_from_manifest
+
+    m = Matrix(model="builtin:tiny-qwen3", engines=("hf",), tps=(1, 2, 4), batch_sizes=(1, 8), kernels=("stock", "tbik"),
+               modes=("score",), dtype="bfloat16", device="cuda", probes="default", max_new_tokens=7, topk=3,
+               baseline="hf-tp2-bs8-default-tbik-score", reference_per=("kernels",), trace=True,
+               nccl={"default": {}, "tree": {"NCCL_ALGO": "Tree"}})
+    text = json.dumps(m.to_manifest())
+    assert Matrix.from_manifest(json.loads(text), m.model, m.baseline) == m
+    manifest = {"matrix": json.loads(text), "model": {"id": m.model}, "baseline": m.baseline}
+    assert plan_from_manifest(manifest).matrix == expand(m).matrix
+    v = Matrix(model="m", engines=("vllm",), vllm_args={"enforce_eager": True, "max_num_batched_tokens": 512})
+    assert Matrix.from_manifest(json.loads(json.dumps(v.to_manifest())), v.model, None) == v

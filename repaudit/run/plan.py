@@ -62,6 +62,22 @@ class Matrix:
     trace: bool = False
     vllm_args: dict[str, Any] = field(default_factory=dict)  # engine arguments for vLLM cells
 
+    # The manifest's "matrix" object: its keys are the command line's (tp, batch_size, mode), and
+    # the model and baseline live at the manifest's top level. These two are its only writer and reader.
+    def to_manifest(self) -> dict[str, Any]:
+        return {"engines": list(self.engines), "tp": list(self.tps), "batch_size": list(self.batch_sizes), "nccl": self.nccl,
+                "kernels": list(self.kernels), "mode": list(self.modes), "dtype": self.dtype, "device": self.device,
+                "probes": self.probes, "max_new_tokens": self.max_new_tokens, "topk": self.topk,
+                "reference_per": list(self.reference_per), "trace": self.trace, "vllm_args": self.vllm_args}
+
+    @classmethod
+    def from_manifest(cls, m: dict[str, Any], model: str, baseline: str | None) -> "Matrix":
+        return cls(model=model, engines=tuple(m["engines"]), tps=tuple(m["tp"]), batch_sizes=tuple(m["batch_size"]),
+                   nccl=dict(m["nccl"]), kernels=tuple(m["kernels"]), modes=tuple(m["mode"]), dtype=m["dtype"],
+                   device=m["device"], probes=m["probes"], max_new_tokens=m["max_new_tokens"], topk=m["topk"],
+                   baseline=baseline, reference_per=tuple(m["reference_per"]), trace=bool(m.get("trace", False)),
+                   vllm_args=dict(m.get("vllm_args") or {}))
+
 
 @dataclass(frozen=True)
 class LaunchGroup:
@@ -271,14 +287,7 @@ def plan_from_manifest(data: dict[str, Any]) -> Plan:
     """The plan a run directory was made with, rebuilt from its manifest (matrix, baseline and
     the score-reference cell that `repaudit run` adds when the matrix lacks it)."""
     try:
-        m = data["matrix"]
-        matrix = Matrix(
-            model=data["model"]["id"], engines=tuple(m["engines"]), tps=tuple(m["tp"]),
-            batch_sizes=tuple(m["batch_size"]), nccl=dict(m["nccl"]), kernels=tuple(m["kernels"]),
-            modes=tuple(m["mode"]), dtype=m["dtype"], device=m["device"], probes=m["probes"],
-            max_new_tokens=m["max_new_tokens"], topk=m["topk"], baseline=data["baseline"],
-            reference_per=tuple(m["reference_per"]),
-        )
+        matrix = Matrix.from_manifest(data["matrix"], data["model"]["id"], data["baseline"])
     except (KeyError, TypeError) as exc:
         raise InputError(f"manifest has no complete matrix (missing {exc}); was the run started?") from None
     plan = expand(matrix)

@@ -262,11 +262,7 @@ def _check_inplace(plan: Plan) -> None:
 
 
 def _matrix_json(plan: Plan) -> dict[str, Any]:
-    m = plan.matrix
-    return {"engines": list(m.engines), "tp": list(m.tps), "batch_size": list(m.batch_sizes), "nccl": m.nccl,
-            "kernels": list(m.kernels), "mode": list(m.modes), "dtype": m.dtype, "device": m.device,
-            "probes": m.probes, "max_new_tokens": m.max_new_tokens, "topk": m.topk,
-            "reference_per": list(m.reference_per), "groups": [g.id for g in plan.groups]}
+    return {**plan.matrix.to_manifest(), "groups": [g.id for g in plan.groups]}
 
 
 def _run_groups(plan, opts, run_dir, manifest, settings, already, prompts, ref, suite, tok_meta, pad_id, eos_id,
