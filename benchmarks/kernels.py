@@ -29,7 +29,7 @@ import triton
 import triton.testing
 
 import tbik
-from tbik import matmul as tm
+from tbik.tl import matmul as tm
 
 # (name, N, K) of Qwen3-8B's linear layers; gate/up are fused here as one 12288-wide product.
 SHAPES = [("q/o_proj", 4096, 4096), ("k/v_proj", 1024, 4096), ("gate_up", 12288, 4096),
@@ -184,7 +184,7 @@ def accuracy() -> str:
 # ---------------------------------------------------------------- bench
 
 
-def strategy(x, w, k, num_chunks=tm.NUM_CHUNKS) -> int:
+def strategy(x, w, k, num_chunks=tbik.NUM_CHUNKS) -> int:
     """The SPLIT tree_matmul picks for x @ w.t() (execution strategy, never the bits)."""
     plan = tm._plan(x.dtype, x.device, x.shape[0], w.shape[0], k, num_chunks, k // num_chunks, False, None)
     return plan.meta["SPLIT"]

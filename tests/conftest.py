@@ -1,5 +1,5 @@
 """Fixtures shared by the test files. Keep this small, generic and cheap to import:
-no torch, no TRITON_INTERPRET (test files that need them set them up themselves)."""
+no torch, and the Triton interpreter only through the triton_interpreter fixture."""
 
 from __future__ import annotations
 
@@ -48,3 +48,14 @@ def _repaudit_cache(tmp_path_factory) -> None:
 
     if not os.environ.get("REPAUDIT_CACHE"):
         os.environ["REPAUDIT_CACHE"] = str(tmp_path_factory.mktemp("repaudit-cache"))
+
+
+@pytest.fixture(scope="module")
+def triton_interpreter():
+    """tbik's Triton kernels in Triton's CPU interpreter for one test module (use it with
+    `pytestmark = pytest.mark.usefixtures("triton_interpreter")`); off again after."""
+    import tbik
+
+    tbik.use_interpreter(True)
+    yield
+    tbik.use_interpreter(False)

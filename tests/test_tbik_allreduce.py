@@ -1,18 +1,16 @@
 """tbik tree_sum and tree_all_reduce on CPU: gloo process groups of 2 and 4, bitwise."""
 
-import os
+import socket
 
-os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported (also inherited by workers)
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
-import socket  # noqa: E402
+import tbik
+from tbik.tl.allreduce import tree_sum as tree_sum_triton
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
-
-import tbik  # noqa: E402
-from tbik.allreduce import _tree_sum_triton  # noqa: E402
+pytestmark = pytest.mark.usefixtures("triton_interpreter")
 
 M, K, N = 3, 512, 40
 
@@ -29,6 +27,7 @@ def operands():
 
 
 def worker(rank: int, world: int, port: int, results) -> None:
+    tbik.use_interpreter()  # a spawned process starts with tbik's defaults: CPU tensors on the torch backend
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         x, w = operands()
@@ -42,6 +41,7 @@ def worker(rank: int, world: int, port: int, results) -> None:
 
 
 def bad_world_worker(rank: int, world: int, port: int, results) -> None:
+    tbik.use_interpreter()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         tbik.tree_all_reduce(torch.ones(4))
@@ -94,4 +94,4 @@ def test_fused_tree_sum_kernel_matches_torch_adds(p):
     # The CUDA path (one Triton kernel over the gathered buffer), run by the interpreter.
     scales = torch.logspace(0, 6, p)[:, None, None]
     stacked = torch.randn(p, 3, 700, generator=torch.Generator().manual_seed(p)) * scales
-    assert torch.equal(_tree_sum_triton(stacked).view(torch.int32), tbik.tree_sum(list(stacked)).view(torch.int32))
+    assert torch.equal(tree_sum_triton(stacked).view(torch.int32), tbik.tree_sum(list(stacked)).view(torch.int32))

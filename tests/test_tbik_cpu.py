@@ -103,3 +103,22 @@ def test_attention_matches_sdpa():
     q, k, v = torch.randn(2, 4, 7, 16), torch.randn(2, 4, 7, 16), torch.randn(2, 4, 7, 16)
     ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
     assert torch.allclose(cpu.attention(q, k, v), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_importing_tbik_and_running_it_on_cpu_needs_no_triton():
+    """The backend follows the tensors' device: CPU ops run the torch backend and never import
+    triton; importing tbik patches nothing (Triton's interpreter stays as Triton left it)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import os, sys, torch, tbik\n"
+        "a = torch.randn(4, 64).bfloat16(); b = torch.randn(64, 8).bfloat16()\n"
+        "tbik.tree_matmul(a, b); tbik.log_softmax(a.float()); tbik.rms_norm(a, torch.ones(64), 1e-6)\n"
+        "tbik.tree_sum(torch.ones(2, 3)); tbik.attention(*(torch.randn(1, 2, 3, 16),) * 3)\n"
+        "assert 'triton' not in sys.modules, sorted(m for m in sys.modules if 'triton' in m)[:5]\n"
+        "assert 'TRITON_INTERPRET' not in os.environ\n"
+    )
+    env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]

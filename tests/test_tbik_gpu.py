@@ -124,7 +124,7 @@ def test_accuracy_matches_cublas():
 def test_direct_launch_gives_the_same_bits():
     # The first call goes through Triton's launch path (and compiles), later ones through the
     # cached compiled handle; both must run the same binary.
-    from tbik import matmul as tm
+    from tbik.tl import matmul as tm
 
     x, w = operands(48, HIDDEN, 1024, seed=8)
     first = tbik.tree_matmul(x, w.t(), out_dtype=torch.float32, _split=4)

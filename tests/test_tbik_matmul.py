@@ -1,13 +1,11 @@
 """tbik tree matmul on CPU (Triton interpreter): TP, batch and column-shard invariance, bitwise."""
 
-import os
+import pytest
+import torch
 
-os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
+import tbik
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-import tbik  # noqa: E402
+pytestmark = pytest.mark.usefixtures("triton_interpreter")
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
@@ -187,7 +185,7 @@ def _fake_kernel(calls, fail_direct=False):
 
 
 def test_cached_kernel_replays_tritons_final_call():
-    from tbik._launcher import CachedKernel
+    from tbik.tl.launcher import CachedKernel
 
     calls = []
     launch = CachedKernel(_fake_kernel(calls))
@@ -201,7 +199,7 @@ def test_cached_kernel_replays_tritons_final_call():
 
 
 def test_cached_kernel_falls_back_to_triton_when_refused():
-    from tbik._launcher import CachedKernel
+    from tbik.tl.launcher import CachedKernel
 
     calls = []
     launch = CachedKernel(_fake_kernel(calls, fail_direct=True))

@@ -1,14 +1,12 @@
 """tbik log-softmax, RMSNorm, mean, attention and batch-invariant mode on CPU (Triton interpreter)."""
 
-import os
+import pytest
+import torch
+import torch.nn.functional as F
 
-os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
+import tbik
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-import tbik  # noqa: E402
+pytestmark = pytest.mark.usefixtures("triton_interpreter")
 
 INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
 

@@ -5,23 +5,19 @@ the TBIK tree matmul and its per-rank partial, a tree all-reduce, and batch-inva
 log-softmax, RMSNorm, last-dim mean and causal attention (also over a paged KV cache); plus a
 mode that routes aten's mm/addmm/_log_softmax/mean.dim to them. Depends on torch and triton
 only. See docs/tbik.md.
+
+The tensors' device picks the backend: the Triton kernels (tbik.tl) on a GPU, a torch backend
+with the same invariance contracts on the CPU (tbik.cpu). Importing tbik imports no triton and patches nothing;
+use_interpreter() runs the Triton kernels in Triton's CPU interpreter instead (kernel tests).
 """
 
-from . import _interpret
-
-_interpret.apply()  # before any kernel is defined: fixes for the CPU interpreter, if it is on
-
-from .allreduce import tree_all_reduce, tree_sum  # noqa: E402
-from .attention import attention, paged_attention  # noqa: E402
-from .matmul import NUM_CHUNKS, SUPPORTED_CHUNKS, matmul_partial, tree_matmul  # noqa: E402
-from .modes import (  # noqa: E402
-    batch_invariant_mode,
-    disable_batch_invariant_mode,
-    enable_batch_invariant_mode,
-    is_batch_invariant_mode_enabled,
-)
-from .norm import mean_last_dim, rms_norm  # noqa: E402
-from .softmax import log_softmax  # noqa: E402
+from .allreduce import tree_all_reduce, tree_sum
+from .attention import attention, paged_attention
+from .backend import use_interpreter
+from .matmul import NUM_CHUNKS, SUPPORTED_CHUNKS, matmul_partial, tree_matmul
+from .modes import batch_invariant_mode, disable_batch_invariant_mode, enable_batch_invariant_mode, is_batch_invariant_mode_enabled
+from .norm import mean_last_dim, rms_norm
+from .softmax import log_softmax
 
 __all__ = [
     "NUM_CHUNKS",
@@ -39,4 +35,5 @@ __all__ = [
     "tree_all_reduce",
     "tree_matmul",
     "tree_sum",
+    "use_interpreter",
 ]

@@ -13,27 +13,11 @@ from typing import Sequence
 
 import torch
 import torch.distributed as dist
-import triton
-import triton.language as tl
 
-_SUM_BLOCK = 1024
+from . import backend
+
 # torch 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-@triton.jit
-def _tree_sum_kernel(x_ptr, out_ptr, numel, P: tl.constexpr, LOG_P: tl.constexpr, BLOCK: tl.constexpr):
-    # x is [P, numel]; each program loads a [BLOCK, P] slab and halves P level by level,
-    # adding neighbours (2i, 2i+1): exactly the pairwise tree in rank order.
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < numel
-    ranks = tl.arange(0, P).to(tl.int64)
-    vals = tl.load(x_ptr + ranks[None, :] * numel + offs[:, None], mask=mask[:, None], other=0.0)
-    for lvl in tl.static_range(LOG_P):
-        pairs = tl.reshape(vals, (BLOCK, P >> (lvl + 1), 2))
-        left, right = tl.split(pairs)
-        vals = left + right
-    tl.store(out_ptr + offs, tl.reshape(vals, (BLOCK,)), mask=mask)
 
 
 def _check_power_of_two(p: int, what: str) -> None:
@@ -50,22 +34,11 @@ def _tree_sum_torch(parts: Sequence[torch.Tensor]) -> torch.Tensor:
     return level[0]
 
 
-def _tree_sum_triton(stacked: torch.Tensor) -> torch.Tensor:
-    p = stacked.shape[0]
-    flat = stacked.reshape(p, -1).contiguous()
-    out = torch.empty(stacked.shape[1:], dtype=stacked.dtype, device=stacked.device)
-    numel = flat.shape[1]
-    if numel:
-        grid = (triton.cdiv(numel, _SUM_BLOCK),)
-        _tree_sum_kernel[grid](flat, out, numel, P=p, LOG_P=p.bit_length() - 1, BLOCK=_SUM_BLOCK, num_warps=4)
-    return out
-
-
 def tree_sum(partials: Sequence[torch.Tensor] | torch.Tensor) -> torch.Tensor:
     """Pairwise tree sum in index order: ((p0+p1)+(p2+p3))+... (single-process reference).
 
     `partials` is a list of same-shaped tensors or one tensor stacked on dim 0; their number
-    must be a power of two. On CUDA one fused Triton kernel does all levels; elsewhere torch
+    must be a power of two. On a GPU one fused Triton kernel does all levels; on the CPU torch
     adds do. fp32 addition is correctly rounded either way, so both give the same bits.
     """
     if isinstance(partials, torch.Tensor):
@@ -74,13 +47,12 @@ def tree_sum(partials: Sequence[torch.Tensor] | torch.Tensor) -> torch.Tensor:
     else:
         count = len(partials)
     _check_power_of_two(count, "the number of partials")
-    if isinstance(partials, torch.Tensor):
-        if stacked.is_cuda:
-            return _tree_sum_triton(stacked)
-        return _tree_sum_torch(list(stacked.unbind(0)))
-    if partials[0].is_cuda:
-        return _tree_sum_triton(torch.stack(list(partials)))
-    return _tree_sum_torch(partials)
+    first = stacked if isinstance(partials, torch.Tensor) else partials[0]
+    if backend.on_cpu(first):
+        return _tree_sum_torch(list(stacked.unbind(0)) if isinstance(partials, torch.Tensor) else partials)
+    from .tl import allreduce
+
+    return allreduce.tree_sum(stacked if isinstance(partials, torch.Tensor) else torch.stack(list(partials)))
 
 
 def tree_all_reduce(partial: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:

@@ -19,14 +19,8 @@ size, TP size and prefill/decode on its own.
 from __future__ import annotations
 
 import math
-import os
 
 import torch
-
-
-def active(t: torch.Tensor) -> bool:
-    """CPU tensors use this backend, unless Triton's interpreter was asked for (kernel tests)."""
-    return t.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1"
 
 
 def _tree_sum(x: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,7 @@ assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1 (
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from tbik import _interpret  # noqa: E402
+from tbik.tl import interpret as _interpret  # noqa: E402
 
 from repaudit.record.digest import numpy_row_digest, row_digest  # noqa: E402
 from repaudit.record.digest_kernel import digest_rows  # noqa: E402

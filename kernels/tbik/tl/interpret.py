@@ -1,4 +1,4 @@
-"""Two fixes that keep Triton 3.6's CPU interpreter (TRITON_INTERPRET=1) usable for these kernels.
+"""Three fixes that keep Triton 3.6's CPU interpreter (TRITON_INTERPRET=1) usable for these kernels.
 
 1. The interpreter holds every scalar as a one-element array and turns it into a Python int
    with int(array) wherever a loop bound needs one; NumPy 2.4 made that an error for arrays of
@@ -9,15 +9,10 @@
    be batch-invariant there); the dot here sums the K products of a tile in index order,
    the same for every row and column, then adds the accumulator, as one MMA tile step does.
 3. Its fp32 -> bf16 cast truncates; GPUs and torch round to nearest even, so it does too.
-Nothing is patched when the interpreter is off; each fix is applied once.
+backend.use_interpreter() applies them (nothing is patched otherwise); each fix is applied once.
 """
 
-import os
-
-
 def apply() -> None:
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("1", "true", "True"):
-        return
     import numpy as np
     import triton.language as tl
     from triton.runtime import interpreter
@@ -68,3 +63,32 @@ def apply() -> None:
         return interpreter.TensorHandle(rounded, tl.bfloat16)
 
     interpreter.InterpreterBuilder.cast_impl = cast_rne
+
+
+_compiled: dict[str, object] = {}  # triton.language.standard's own @jit helpers, as triton made them
+
+
+def standard_library(interpreted: bool) -> None:
+    """triton.language's own @jit helpers (cdiv, sum, max, ...) are compiled or interpreted as
+    triton was when first imported, and an interpreted kernel cannot call a compiled one: they
+    are swapped for interpreted ones here (in triton.language too, which re-exports them), and
+    back when the interpreter is turned off."""
+    import triton.language as tl
+    from triton.language import standard
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    if interpreted:
+        for name, value in list(vars(standard).items()):
+            if isinstance(value, JITFunction):
+                _compiled[name] = value
+                swapped = InterpretedFunction(value.fn)
+                setattr(standard, name, swapped)
+                if getattr(tl, name, None) is value:
+                    setattr(tl, name, swapped)
+    else:
+        for name, value in _compiled.items():
+            if getattr(tl, name, None) is getattr(standard, name):
+                setattr(tl, name, value)
+            setattr(standard, name, value)
+        _compiled.clear()

@@ -1,0 +1,178 @@
+"""Batch-, head- and prefill/decode-invariant causal attention (GQA, left padding).
+
+Stock attention kernels choose how to split the keys (split-KV / flash-decoding) from batch x
+heads x length, and bucket the keys from index 0, so a query's softmax is summed in a
+different order when the batch, the padding, the head count per rank or the prefill/decode
+phase changes. Here each program owns (one batch row, one query head, BLOCK_M queries) and walks
+the keys from the row's first real key, start[b], in BLOCK_N-wide blocks: block boundaries are
+relative to the first real key, so a query meets the same key blocks, in the same order, with
+the same online-softmax updates, whatever the padding, the batch, the heads per call, or
+whether it is computed in a prefill block or alone in a decode step. Blocks past a query's own
+position (other queries of its block need them) leave its state exactly untouched.
+
+paged_attention is the same computation over a serving engine's paged KV cache (vLLM's layout):
+queries flat, request after request, keys read through a block table. Both kernels update a
+query's state with one function (_update), key block by key block counted from the sequence's
+first key, so a query gets the same bits from either.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .launcher import CachedKernel
+
+_BLOCK_M = 64
+_BLOCK_N = 64
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _update(q, k, v, offs_n, in_range, kb, q_pos, m_i, l_i, acc, qk_scale, PRECISION: tl.constexpr):
+    """One key block (keys offs_n, counted in the same frame as the queries' positions q_pos)
+    into the queries' online-softmax state. Keys out of range were loaded as zeros."""
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+    visible = (offs_n[None, :] <= q_pos[:, None]) & in_range[None, :]
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no visible key yet
+    alpha = tl.exp2(m_i - ref)
+    p = tl.exp2(s - ref[:, None])
+    pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    # A query that sees no key of this block (it sits before kb) keeps its state bit for bit,
+    # so the extra blocks its neighbours need cannot touch it.
+    live = kb <= q_pos
+    acc = tl.where(live[:, None], acc * alpha[:, None] + pv, acc)
+    l_i = tl.where(live, l_i * alpha + tl.sum(p, axis=1), l_i)
+    m_i = tl.where(live, m_new, m_i)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _attention_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr, start_ptr,
+    sq_b, sq_h, sq_t, sq_d, sk_b, sk_h, sk_s, sk_d, sv_b, sv_h, sv_s, sv_d, so_b, so_h, so_t, so_d,
+    Hq, Tq, S, group, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // Hq).to(tl.int64)  # int64: a long KV cache's offsets pass 2**31
+    h = pid_bh % Hq
+    hk = h // group
+    start = tl.load(start_ptr + b).to(tl.int32)
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    q_pos = S - Tq + offs_m  # key index each query sits at (queries are aligned to the end)
+    q = tl.load(q_ptr + b * sq_b + h * sq_h + offs_m[:, None] * sq_t + offs_d[None, :] * sq_d,
+                mask=(offs_m < Tq)[:, None] & d_mask[None, :], other=0.0)
+    k_base = k_ptr + b * sk_b + hk * sk_h
+    v_base = v_ptr + b * sv_b + hk * sv_h
+
+    m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    # Keys this block of queries can see: [start, last query's position].
+    end = tl.minimum(S - Tq + (pid_m + 1) * BLOCK_M, S)
+    for kb in range(start, end, BLOCK_N):
+        offs_n = kb + tl.arange(0, BLOCK_N)
+        in_range = offs_n < S
+        k = tl.load(k_base + offs_n[:, None] * sk_s + offs_d[None, :] * sk_d,
+                    mask=in_range[:, None] & d_mask[None, :], other=0.0)
+        v = tl.load(v_base + offs_n[:, None] * sv_s + offs_d[None, :] * sv_d,
+                    mask=in_range[:, None] & d_mask[None, :], other=0.0)
+        m_i, l_i, acc = _update(q, k, v, offs_n, in_range, kb, q_pos, m_i, l_i, acc, qk_scale, PRECISION)
+    # Queries with no visible key (left padding) get zeros instead of 0/0.
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    tl.store(o_ptr + b * so_b + h * so_h + offs_m[:, None] * so_t + offs_d[None, :] * so_d,
+             out.to(o_ptr.dtype.element_ty), mask=(offs_m < Tq)[:, None] & d_mask[None, :])
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr, kc_ptr, vc_ptr, o_ptr, qsl_ptr, seq_lens_ptr, table_ptr,
+    sq_t, sq_h, sq_d, sk_blk, sk_s, sk_h, sk_d, sv_blk, sv_s, sv_h, sv_d, so_t, so_h, so_d, s_table,
+    Hq, group, block_size, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_rh = tl.program_id(1)
+    r = pid_rh // Hq
+    h = pid_rh % Hq
+    hk = h // group
+    q_first = tl.load(qsl_ptr + r).to(tl.int64)
+    q_len = (tl.load(qsl_ptr + r + 1) - q_first).to(tl.int32)
+    if pid_m * BLOCK_M >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + r).to(tl.int32)
+
+    # Positions are counted from the sequence's first key (the other kernel's start[b] is 0
+    # here): the request's new tokens are its last q_len positions.
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    q_pos = seq_len - q_len + offs_m
+    rows = (q_first + offs_m)[:, None]
+    q = tl.load(q_ptr + rows * sq_t + h * sq_h + offs_d[None, :] * sq_d,
+                mask=(offs_m < q_len)[:, None] & d_mask[None, :], other=0.0)
+    table = table_ptr + r.to(tl.int64) * s_table
+
+    m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    end = tl.minimum(seq_len - q_len + (pid_m + 1) * BLOCK_M, seq_len)
+    for kb in range(0, end, BLOCK_N):
+        offs_n = kb + tl.arange(0, BLOCK_N)
+        in_range = offs_n < seq_len
+        # Slots past the sequence hold whatever the cache held (even NaN bits): never loaded.
+        block = tl.load(table + offs_n // block_size, mask=in_range, other=0).to(tl.int64)
+        within = (offs_n % block_size).to(tl.int64)
+        k = tl.load(kc_ptr + (block * sk_blk + within * sk_s + hk * sk_h)[:, None] + offs_d[None, :] * sk_d,
+                    mask=in_range[:, None] & d_mask[None, :], other=0.0)
+        v = tl.load(vc_ptr + (block * sv_blk + within * sv_s + hk * sv_h)[:, None] + offs_d[None, :] * sv_d,
+                    mask=in_range[:, None] & d_mask[None, :], other=0.0)
+        m_i, l_i, acc = _update(q, k, v, offs_n, in_range, kb, q_pos, m_i, l_i, acc, qk_scale, PRECISION)
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    tl.store(o_ptr + rows * so_t + h * so_h + offs_d[None, :] * so_d, out.to(o_ptr.dtype.element_ty),
+             mask=(offs_m < q_len)[:, None] & d_mask[None, :])
+
+
+_launch = CachedKernel(_attention_kernel)
+_launch_paged = CachedKernel(_paged_attention_kernel)
+
+
+def _meta(q: torch.Tensor, dim: int) -> dict:
+    return dict(HEAD_DIM=dim, BLOCK_D=max(16, triton.next_power_of_2(dim)), BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N,
+                PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4, num_stages=2)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: torch.Tensor, scale: float) -> torch.Tensor:
+    bsz, hq, tq, dim = q.shape
+    hkv, s_len = k.shape[1], k.shape[2]
+    out = torch.empty((bsz, hq, tq, dim), dtype=q.dtype, device=q.device)
+    if out.numel() == 0:
+        return out
+    grid = (triton.cdiv(tq, _BLOCK_M), bsz * hq)
+    meta = _meta(q, dim)
+    args = (q, k, v, out, start.to(device=q.device).contiguous(), *q.stride(), *k.stride(), *v.stride(),
+            *out.stride(), hq, tq, s_len, hq // hkv, float(scale * _LOG2E))
+    _launch(grid, args, meta)
+    return out
+
+
+def paged_attention(query, key_cache, value_cache, query_start_loc, seq_lens, block_table, max_query_len: int,
+                    scale: float, out: torch.Tensor) -> torch.Tensor:
+    n_req, hq, dim = seq_lens.shape[0], query.shape[1], query.shape[2]
+    hkv, block_size = key_cache.shape[2], key_cache.shape[1]
+    grid = (triton.cdiv(max_query_len, _BLOCK_M), n_req * hq)
+    args = (query, key_cache, value_cache, out, query_start_loc.contiguous(), seq_lens.contiguous(),
+            block_table, *query.stride(), *key_cache.stride(), *value_cache.stride(), *out.stride(),
+            block_table.stride(0), hq, hq // hkv, block_size, float(scale * _LOG2E))
+    _launch_paged(grid, args, _meta(query, dim))
+    return out

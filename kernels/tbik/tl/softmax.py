@@ -1,0 +1,56 @@
+"""Batch-invariant row-wise log-softmax.
+
+One program per row. Pass 1 walks the row in fixed BLOCK-wide slices keeping, per lane, a
+running max and a running sum of exp(x - max) (online softmax); the lanes are then merged in
+one in-register tree. Pass 2 writes x - max - log(sum). Nothing depends on the number of rows.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .launcher import CachedKernel
+
+_MAX_BLOCK = 2048
+
+
+@triton.jit
+def _log_softmax_kernel(x_ptr, out_ptr, n_cols, stride_x, stride_o, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * stride_x
+    lane_max = tl.full((BLOCK,), float("-inf"), dtype=tl.float32)
+    lane_sum = tl.zeros((BLOCK,), dtype=tl.float32)
+    for start in range(0, n_cols, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        x = tl.load(x_row + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32)
+        new_max = tl.maximum(lane_max, x)
+        # A lane that has only seen -inf keeps sum 0 (avoids exp(-inf - -inf) = nan).
+        ref = tl.where(new_max == float("-inf"), 0.0, new_max)
+        lane_sum = lane_sum * tl.exp(lane_max - ref) + tl.exp(x - ref)
+        lane_max = new_max
+    row_max = tl.max(lane_max, axis=0)
+    ref = tl.where(row_max == float("-inf"), 0.0, row_max)
+    log_sum = tl.log(tl.sum(lane_sum * tl.exp(lane_max - ref), axis=0))
+    for start in range(0, n_cols, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * stride_o + cols, (x - ref - log_sum).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+_launch = CachedKernel(_log_softmax_kernel)
+
+
+def log_softmax(x: torch.Tensor, dim: int, dtype: torch.dtype | None) -> torch.Tensor:
+    moved = x.movedim(dim, -1)
+    rows = moved.reshape(-1, moved.shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out = torch.empty(rows.shape, dtype=dtype or x.dtype, device=x.device)
+    if rows.numel():
+        block = min(_MAX_BLOCK, triton.next_power_of_2(max(rows.shape[1], 16)))
+        meta = dict(BLOCK=block, num_warps=8)
+        _launch((rows.shape[0],), (rows, out, rows.shape[1], rows.stride(0), out.stride(0)), meta)
+    return out.view(moved.shape).movedim(-1, dim).contiguous()
