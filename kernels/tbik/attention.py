@@ -1,19 +1,8 @@
-"""Batch-, head- and prefill/decode-invariant causal attention (GQA, left padding).
+"""Batch-, head- and prefill/decode-invariant causal attention (GQA, left padding), also over a
+serving engine's paged KV cache.
 
-Stock attention kernels choose how to split the keys (split-KV / flash-decoding) from batch x
-heads x length, and bucket the keys from index 0, so a query's softmax is summed in a
-different order when the batch, the padding, the head count per rank or the prefill/decode
-phase changes. Here each program owns (one batch row, one query head, BLOCK_M queries) and walks
-the keys from the row's first real key, start[b], in BLOCK_N-wide blocks: block boundaries are
-relative to the first real key, so a query meets the same key blocks, in the same order, with
-the same online-softmax updates, whatever the padding, the batch, the heads per call, or
-whether it is computed in a prefill block or alone in a decode step. Blocks past a query's own
-position (other queries of its block need them) leave its state exactly untouched.
-
-paged_attention is the same computation over a serving engine's paged KV cache (vLLM's layout):
-queries flat, request after request, keys read through a block table. Both kernels update a
-query's state with one function (_update), key block by key block counted from the sequence's
-first key, so a query gets the same bits from either.
+The inputs are checked here and the backend picked (backend.py); why stock attention moves and
+how the kernels keep a query's bits is in tl/attention.py.
 """
 
 from __future__ import annotations

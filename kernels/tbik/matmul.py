@@ -1,28 +1,7 @@
 """Tree matmul: C = A @ B with one fixed summation order over K for every TP size and batch size.
 
-K is cut into `num_chunks` contiguous chunks (the leaves). Inside a leaf, one fp32 accumulator
-takes the BLOCK_K tiles in ascending order (`tl.dot` into the same accumulator). The leaf
-results are combined in one complete binary tree, ((c0+c1)+(c2+c3))+((c4+c5)+(c6+c7)). A
-TP=P rank owns num_chunks/P consecutive leaves, i.e. one subtree, so its fp32 partial is bit
-for bit the node that TP=1 computes there; `tree_all_reduce` then rebuilds the top of the tree.
-
-One kernel serves every case. A launch owns LEAVES consecutive leaves (num_chunks for
-`tree_matmul`, num_chunks/P for `matmul_partial`). A *work unit* is one output tile times
-LEAVES/SPLIT consecutive leaves:
-  * SPLIT == 1 (large M): a unit holds the whole subtree; the pending left siblings of the tree
-    live in registers (the lowest REG_LEVELS levels) and in a small per-program scratch (the
-    levels above), so the tree costs no extra pass over memory.
-  * SPLIT > 1 (small M, too few output tiles to fill the GPU): SPLIT programs each reduce their
-    own subtree, write it to a workspace, and the last one to arrive (atomic ticket) adds the
-    SPLIT subtree roots in the same pairwise order and writes the output.
-Both strategies run the same dot instructions on the same tiles and the same fp32 additions in
-the same tree, so the choice (made from M, N and the GPU size) never changes a bit; the tests
-check this for every SPLIT.
-
-The tile configuration depends only on the dtype and the chunk width, never on M, N or the TP
-size: a row's result must not depend on how many rows come with it (batch invariance), a
-column's not on how many columns the rank holds (column-parallel shards), a leaf's not on how
-many leaves the rank holds (row-parallel shards).
+The operands are checked here and the backend picked (backend.py); the order and the kernel that
+keeps it are described in tl/matmul.py, the CPU backend's version of it in cpu.py.
 """
 
 from __future__ import annotations

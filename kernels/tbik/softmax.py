@@ -1,9 +1,5 @@
-"""Batch-invariant row-wise log-softmax.
-
-One program per row. Pass 1 walks the row in fixed BLOCK-wide slices keeping, per lane, a
-running max and a running sum of exp(x - max) (online softmax); the lanes are then merged in
-one in-register tree. Pass 2 writes x - max - log(sum). Nothing depends on the number of rows.
-"""
+"""Batch-invariant row-wise log-softmax: input checked, backend picked (tl/softmax.py says how the
+kernel reduces a row)."""
 
 from __future__ import annotations
 
