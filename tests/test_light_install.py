@@ -86,3 +86,57 @@ def test_run_without_the_run_extra_asks_for_it_in_one_line(monkeypatch):
     with pytest.raises(InputError) as err:
         commands.run(None, None)
     assert "pip install 'repaudit[run]'" in str(err.value) and "torch" in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.slow
+def test_the_core_alone_in_a_fresh_virtual_environment(tmp_path):
+    """`pip install repaudit` as a fresh environment gets it, without the network: this checkout's
+    wheel, plus exactly the distributions its core requirements name (read from the wheel's own
+    metadata, markers evaluated, no extra), found installed here and linked in; then `repaudit
+    diff` of two committed records, run by the new environment's interpreter."""
+    import email.parser
+    import importlib.metadata
+    import zipfile
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    site = next(venv.glob("lib/python*/site-packages"))
+    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
+                            "-q", "-w", str(tmp_path / "dist"), str(ROOT)], capture_output=True, text=True, timeout=300)
+    assert built.returncode == 0, built.stderr[-2000:]
+    with zipfile.ZipFile(next((tmp_path / "dist").glob("repaudit-*.whl"))) as whl:
+        whl.extractall(site)
+        metadata = next(n for n in whl.namelist() if n.endswith(".dist-info/METADATA"))
+        wanted = email.parser.Parser().parsestr(whl.read(metadata).decode()).get_all("Requires-Dist")
+
+    installed, todo = set(), [Requirement(r) for r in wanted]
+    while todo:
+        req = todo.pop()
+        name = canonicalize_name(req.name)
+        if name in installed or (req.marker is not None and not req.marker.evaluate({"extra": ""})):
+            continue
+        installed.add(name)
+        dist = importlib.metadata.distribution(req.name)
+        for top in {Path(str(f)).parts[0] for f in dist.files or ()}:
+            source = Path(dist.locate_file(top))
+            if source.exists() and not (site / top).exists() and not top.startswith(".."):
+                (site / top).symlink_to(source)
+        todo += [Requirement(r) for r in dist.requires or ()]
+    assert {"typer", "rich", "numpy", "pyarrow"} <= installed
+    assert not installed & {"torch", "triton", "transformers", "pandas", "nvidia-cuda-runtime-cu12"}, installed
+
+    python = venv / "bin" / "python"
+    records = ROOT / "tests" / "data" / "records"
+    env = {"COLUMNS": "120", "PATH": "/usr/bin:/bin"}
+    diff = subprocess.run([str(python), "-m", "repaudit", "diff", str(records / "rollout.parquet"),
+                           str(records / "trainer.parquet")], cwd=tmp_path, capture_output=True, text=True, env=env,
+                          timeout=300)
+    assert diff.returncode == 1 and "1 of 6 logprobs differ" in diff.stdout, diff.stdout[-2000:] + diff.stderr[-2000:]
+    same = subprocess.run([str(python), "-m", "repaudit", "gate", str(records / "rollout.parquet"),
+                           str(records / "rollout.parquet")], cwd=tmp_path, capture_output=True, text=True, env=env, timeout=300)
+    assert same.returncode == 0, same.stdout[-2000:] + same.stderr[-2000:]
+    heavy = subprocess.run([str(python), "-c", "import torch"], capture_output=True, text=True, env=env, timeout=60)
+    assert heavy.returncode != 0 and "No module named 'torch'" in heavy.stderr
