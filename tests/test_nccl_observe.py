@@ -91,8 +91,8 @@ def test_the_manifest_gets_the_summary_and_the_warning(tmp_path: Path):
         logs.append(tmp_path / f"hf-tp2-tree.{n}.log")
         logs[-1].write_text(text)
     manifest = Manifest.load_or_new(tmp_path)
-    manifest.data["groups"]["hf-tp2-tree"] = {"attempts": 2}
-    manifest.data["groups"]["hf-tp2-tree"]["nccl_observed"] = group_observation(logs, nccl.PRESETS["tree"])
+    manifest.data.groups["hf-tp2-tree"] = {"attempts": 2}
+    manifest.data.groups["hf-tp2-tree"]["nccl_observed"] = group_observation(logs, nccl.PRESETS["tree"])
     manifest.save()
     group = json.loads((tmp_path / "manifest.json").read_text())["groups"]["hf-tp2-tree"]
     assert group["nccl_observed"] == {

@@ -141,6 +141,7 @@ def test_the_matrix_round_trips_through_the_manifest():
     import json
 
     from repaudit.run.plan import plan_from_manifest
+    from repaudit.run.rundir import ManifestData
 
     m = Matrix(model="builtin:tiny-qwen3", engines=("hf",), tps=(1, 2, 4), batch_sizes=(1, 8), kernels=("stock", "tbik"),
                modes=("score",), dtype="bfloat16", device="cuda", probes="default", max_new_tokens=7, topk=3,
@@ -148,7 +149,30 @@ def test_the_matrix_round_trips_through_the_manifest():
                nccl={"default": {}, "tree": {"NCCL_ALGO": "Tree"}})
     text = json.dumps(m.to_manifest())
     assert Matrix.from_manifest(json.loads(text), m.model, m.baseline) == m
-    manifest = {"matrix": json.loads(text), "model": {"id": m.model}, "baseline": m.baseline}
+    manifest = ManifestData.from_json({"matrix": json.loads(text), "model": {"id": m.model}, "baseline": m.baseline})
     assert plan_from_manifest(manifest).matrix == expand(m).matrix
     v = Matrix(model="m", engines=("vllm",), vllm_args={"enforce_eager": True, "max_num_batched_tokens": 512})
     assert Matrix.from_manifest(json.loads(json.dumps(v.to_manifest())), v.model, None) == v
+
+
+def test_the_manifest_round_trips_through_one_dataclass(tmp_path):
+    import json
+
+    import pytest
+
+    from repaudit.errors import InputError
+    from repaudit.run.rundir import Manifest, ManifestData
+
+    m = Manifest.load_or_new(tmp_path)
+    m.data.command, m.data.baseline, m.data.wall_s = ["repaudit", "run"], "hf-tp1-bs1-default-stock-score", 1.5
+    m.data.matrix = Matrix(model="x").to_manifest()
+    m.cell("c")["status"] = "done"
+    m.data.groups["g"] = {"load_s": [0.25], "attempts": 1}
+    m.data.extra["from_a_later_version"] = {"kept": True}
+    m.save()
+    on_disk = json.loads((tmp_path / "manifest.json").read_text())
+    assert on_disk["cells"] == {"c": {"status": "done"}} and on_disk["from_a_later_version"] == {"kept": True}
+    back = Manifest.load_or_new(tmp_path).data
+    assert back == m.data and ManifestData.from_json(json.loads(json.dumps(back.to_json()))) == back
+    with pytest.raises(InputError, match="'cells' must be a JSON object"):
+        ManifestData.from_json({**on_disk, "cells": []})

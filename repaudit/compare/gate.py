@@ -21,7 +21,7 @@ from rich.table import Table
 from ..errors import InputError
 from ..run.jobspec import cell_path
 from ..run.plan import Plan, plan_from_manifest, reference_delta, reference_pairs
-from ..run.rundir import Manifest
+from ..run.rundir import Manifest, ManifestData
 from .diff import diff_records
 from .render import metric_rows, pct, verdict_line
 from .result import DEFAULT_CLIP, DiffResult, Thresholds
@@ -33,7 +33,7 @@ class RunInfo:
     """A run directory, read: its manifest and the plan it was made with."""
 
     run_dir: Path
-    manifest: dict[str, Any]
+    manifest: ManifestData
     plan: Plan
 
     @property
@@ -41,7 +41,7 @@ class RunInfo:
         return self.run_dir.resolve().name or "run"
 
     def entry(self, cell_id: str) -> dict[str, Any]:
-        return self.manifest.get("cells", {}).get(cell_id, {})
+        return self.manifest.cells.get(cell_id, {})
 
     def path(self, cell_id: str) -> Path:
         return cell_path(self.run_dir, cell_id)
@@ -179,7 +179,7 @@ def gate_run(run: RunInfo, thresholds: Thresholds) -> GateResult:
     props = {
         "run_dir": str(run.run_dir), "baseline": run.plan.baseline.id,
         "reference_per": ",".join(run.plan.matrix.reference_per),
-        "model": str(m.get("model", {}).get("id")), "command": shlex.join(m.get("command") or []),
+        "model": str(m.model.get("id")), "command": shlex.join(m.command),
         "thresholds": json.dumps(_thresholds_dict(thresholds), sort_keys=True),
     }
     return GateResult(run.name, pairs, thresholds, props, refs)

@@ -30,7 +30,7 @@ def summarize(plan: Plan, run_dir: Path, manifest: Manifest, thresholds: Thresho
     outcome = {p.cell: p for p in gate.pairs}
     rows = []
     for cell, reference in reference_pairs(plan):
-        entry = manifest.data["cells"].get(cell.id, {})
+        entry = manifest.data.cells.get(cell.id, {})
         row: dict[str, Any] = {
             "cell": cell.id, "settings": {k: getattr(cell, k) for k in CELL_SETTINGS}, "reference": reference.id,
             "reference_delta": reference_delta(cell, reference), "status": entry.get("status"), "reason": entry.get("reason"),
@@ -57,7 +57,7 @@ def summarize(plan: Plan, run_dir: Path, manifest: Manifest, thresholds: Thresho
             })
         rows.append(row)
     compared = [r for r in rows if r["cell"] in outcome]
-    loads = {g: v.get("load_s", []) for g, v in manifest.data.get("groups", {}).items()}
+    loads = {g: v.get("load_s", []) for g, v in manifest.data.groups.items()}
     return {
         "baseline": plan.baseline.id,
         "reference_per": list(plan.matrix.reference_per),
@@ -65,7 +65,7 @@ def summarize(plan: Plan, run_dir: Path, manifest: Manifest, thresholds: Thresho
         "passed": gate.passed,
         "identical_cells": sum(1 for r in compared if r["identical"]),
         "compared_cells": len(compared),
-        "wall_s": manifest.data.get("wall_s"),
+        "wall_s": manifest.data.wall_s,
         "sum_cell_s": sum(r["seconds"] or 0 for r in rows),
         "load_s": loads,
     }

@@ -102,7 +102,7 @@ def build_run(run: RunInfo, thresholds: Thresholds, matrix_limit: int = MATRIX_L
     m = run.manifest
     gate = gate_run(run, thresholds)
     cache = ArrayCache()
-    text = load_token_text(m.get("model", {}).get("path"), m.get("tokenizer", {}).get("sha256"), m.get("model", {}).get("id"))
+    text = load_token_text(m.model.get("path"), m.tokenizer.get("sha256"), m.model.get("id"))
 
     group_of = {c.id: g.id for g in run.plan.groups for c in g.cells}
     settings = {c.id: {d: getattr(c, d) for d in DIMENSIONS} for c in run.plan.cells}
@@ -129,11 +129,11 @@ def build_run(run: RunInfo, thresholds: Thresholds, matrix_limit: int = MATRIX_L
         matrices.append(cell_matrix(mode, ids, [mlabels[i] for i in ids], {i: run.path(i) for i in ids},
                                     {i for i in ids if refs[i] == i}, known, matrix_limit))
 
-    groups = [GroupView(g.id, [c.id for c in g.cells], list((m.get("groups", {}).get(g.id) or {}).get("load_s") or []),
-                        (m.get("groups", {}).get(g.id) or {}).get("attempts")) for g in run.plan.groups]
+    groups = [GroupView(g.id, [c.id for c in g.cells], list((m.groups.get(g.id) or {}).get("load_s") or []),
+                        (m.groups.get(g.id) or {}).get("attempts")) for g in run.plan.groups]
 
     rd = str(run.run_dir)
-    commands = [("the run (re-running it resumes: completed cells are kept)", shlex.join(m.get("command") or ["repaudit", "run"])),
+    commands = [("the run (re-running it resumes: completed cells are kept)", shlex.join(m.command or ["repaudit", "run"])),
                 ("this report", shlex.join(["repaudit", "report", rd, *threshold_args(thresholds)])),
                 ("the gate, with JUnit XML", shlex.join(["repaudit", "gate", rd, "--junit", "junit.xml", *threshold_args(thresholds)]))]
     divergent = [p for p in gate.pairs if p.result is not None and not p.result.identical]
@@ -141,20 +141,20 @@ def build_run(run: RunInfo, thresholds: Thresholds, matrix_limit: int = MATRIX_L
         worst = min(divergent, key=lambda p: (Fraction(p.result.bitwise_equal, max(1, p.result.comparable)), -p.result.ulp_max))
         commands.append((f"the most divergent pair ({worst.cell} vs its reference)", worst.diff_command(thresholds) or ""))
 
-    probes = m.get("probes") or {}
-    mx = m.get("matrix") or {}
+    probes = m.probes
+    mx = m.matrix
     facts = [
-        ("model", f"{m.get('model', {}).get('id')}" + (f" (weights sha256 {str(m['model'].get('weights_sha256'))[:12]}…)" if m.get("model", {}).get("weights_sha256") else "")),
+        ("model", f"{m.model.get('id')}" + (f" (weights sha256 {str(m.model.get('weights_sha256'))[:12]}…)" if m.model.get("weights_sha256") else "")),
         ("probe suite", f"{probes.get('name')} (sha256 {str(probes.get('sha256'))[:12]}…)"),
         ("device / dtype", f"{mx.get('device')} / {mx.get('dtype')}"),
         ("baseline", run.plan.baseline.id),
         ("reference per", ", ".join(run.plan.matrix.reference_per) + " (each cell is compared with the baseline taken with its own values of these)"),
         ("thresholds", _threshold_text(thresholds)),
-        ("updated", str(m.get("updated"))),
+        ("updated", str(m.updated)),
     ]
     notes = [f"Cell × cell matrix for {mv.mode}: {mv.skipped}." for mv in matrices if mv.skipped]
     return ReportData("run", f"repaudit report: {run.name}", facts, gate, cells, pairs, matrices, groups,
-                      m.get("wall_s"), commands, text.note, notes, _locates(gate.pairs))
+                      m.wall_s, commands, text.note, notes, _locates(gate.pairs))
 
 
 def _locates(pairs: list[PairOutcome]) -> list[tuple[str, str, Any]]:

@@ -283,15 +283,15 @@ def reference_delta(cell: Cell, reference: Cell) -> str:
     return " ".join(delta).replace("batch_size", "bs")
 
 
-def plan_from_manifest(data: dict[str, Any]) -> Plan:
-    """The plan a run directory was made with, rebuilt from its manifest (matrix, baseline and
-    the score-reference cell that `repaudit run` adds when the matrix lacks it)."""
+def plan_from_manifest(data) -> Plan:
+    """The plan a run directory was made with, rebuilt from its manifest (a rundir.ManifestData:
+    matrix, baseline and the score-reference cell that `repaudit run` adds when the matrix lacks it)."""
     try:
-        matrix = Matrix.from_manifest(data["matrix"], data["model"]["id"], data["baseline"])
+        matrix = Matrix.from_manifest(data.matrix, data.model["id"], data.baseline)
     except (KeyError, TypeError) as exc:
         raise InputError(f"manifest has no complete matrix (missing {exc}); was the run started?") from None
     plan = expand(matrix)
-    extra = data.get("reference_cell")
+    extra = data.reference_cell
     if extra and extra not in {c.id for c in plan.cells}:
         plan = expand_with(plan, plan.reference_source)
     return plan

@@ -15,7 +15,7 @@ import os
 import re
 import socket
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -27,9 +27,48 @@ MANIFEST_VERSION = 1
 
 
 @dataclass
+class ManifestData:
+    """manifest.json, key for key. The run writes it and gate, summary and report read it, all
+    through this class: from_json(to_json()) gives it back unchanged. A cell's entry is the dict
+    the run keeps for it (status, reason, settings, file, and its numbers once done)."""
+
+    manifest_version: int = MANIFEST_VERSION
+    command: list[str] = field(default_factory=list)
+    matrix: dict[str, Any] = field(default_factory=dict)  # run.plan.Matrix.to_manifest(), plus "groups"
+    baseline: str | None = None
+    reference_cell: str | None = None
+    probes: dict[str, Any] = field(default_factory=dict)
+    model: dict[str, Any] = field(default_factory=dict)
+    tokenizer: dict[str, Any] = field(default_factory=dict)
+    environment: dict[str, Any] = field(default_factory=dict)
+    runs: list[dict[str, Any]] = field(default_factory=list)
+    cells: dict[str, dict[str, Any]] = field(default_factory=dict)
+    groups: dict[str, dict[str, Any]] = field(default_factory=dict)
+    wall_s: float | None = None
+    updated: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)  # keys this version does not know, kept as they were
+
+    def to_json(self) -> dict[str, Any]:
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "extra"}
+        return {**self.extra, **out}
+
+    @classmethod
+    def from_json(cls, data: Any, where: Path | str = "manifest") -> "ManifestData":
+        if not isinstance(data, dict):
+            raise InputError(f"{where}: not a JSON object")
+        names = {f.name for f in fields(cls)} - {"extra"}
+        for key, kind in (("command", list), ("matrix", dict), ("probes", dict), ("model", dict), ("tokenizer", dict),
+                          ("environment", dict), ("runs", list), ("cells", dict), ("groups", dict)):
+            if data.get(key) is not None and not isinstance(data[key], kind):
+                raise InputError(f"{where}: {key!r} must be a JSON {'object' if kind is dict else 'array'}")
+        known = {k: v for k, v in data.items() if k in names and v is not None}
+        return cls(**known, extra={k: v for k, v in data.items() if k not in names})
+
+
+@dataclass
 class Manifest:
     path: Path
-    data: dict[str, Any] = field(default_factory=dict)
+    data: ManifestData = field(default_factory=ManifestData)
 
     @classmethod
     def load_or_new(cls, run_dir: Path) -> "Manifest":
@@ -39,17 +78,18 @@ class Manifest:
                 data = json.loads(path.read_text())
             except ValueError:
                 raise InputError(f"{path} is not valid JSON; move it away to start a new run here") from None
-            if data.get("manifest_version") != MANIFEST_VERSION:
-                raise InputError(f"{path}: manifest version {data.get('manifest_version')}, this repaudit writes {MANIFEST_VERSION}")
-            return cls(path, data)
-        return cls(path, {"manifest_version": MANIFEST_VERSION, "cells": {}, "groups": {}, "runs": []})
+            version = data.get("manifest_version") if isinstance(data, dict) else None
+            if version != MANIFEST_VERSION:
+                raise InputError(f"{path}: manifest version {version}, this repaudit writes {MANIFEST_VERSION}")
+            return cls(path, ManifestData.from_json(data, path))
+        return cls(path)
 
     def save(self) -> None:
-        self.data["updated"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
-        write_json_atomic(self.path, self.data)
+        self.data.updated = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+        write_json_atomic(self.path, self.data.to_json())
 
     def cell(self, cell_id: str) -> dict[str, Any]:
-        return self.data["cells"].setdefault(cell_id, {})
+        return self.data.cells.setdefault(cell_id, {})
 
     def set_cell(self, cell_id: str, **fields: Any) -> None:
         self.cell(cell_id).update(fields)

@@ -197,13 +197,12 @@ def run(matrix: Matrix, opts: RunOptions, console: Console | None = None,
             remove_partial_files(run_dir)
         already = _check_existing(run_dir, plan, settings) if leader else {}
         manifest = Manifest.load_or_new(run_dir)
-        manifest.data.update({
-            "command": opts.argv, "matrix": _matrix_json(plan), "baseline": plan.baseline.id,
-            "reference_cell": reference_cell.id if reference_cell else None,
-            "probes": suite.meta, "model": {"id": ref.id, "path": str(ref.path), "weights_sha256": ref.weights_sha256},
-            "tokenizer": tok_meta, "environment": environment(matrix.device),
-        })
-        manifest.data["runs"].append({"started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "argv": opts.argv})
+        m = manifest.data
+        m.command, m.matrix, m.baseline = opts.argv, _matrix_json(plan), plan.baseline.id
+        m.reference_cell = reference_cell.id if reference_cell else None
+        m.probes, m.tokenizer, m.environment = suite.meta, tok_meta, environment(matrix.device)
+        m.model = {"id": ref.id, "path": str(ref.path), "weights_sha256": ref.weights_sha256}
+        m.runs.append({"started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "argv": opts.argv})
         for cid in settings:
             entry = manifest.cell(cid)
             entry["settings"] = settings[cid]
@@ -227,7 +226,7 @@ def run(matrix: Matrix, opts: RunOptions, console: Console | None = None,
                 signal.signal(s, handler)
             if leader:
                 remove_partial_files(run_dir)
-        manifest.data["wall_s"] = time.perf_counter() - started
+        manifest.data.wall_s = time.perf_counter() - started
         if leader:
             manifest.save()
         if stop:
@@ -236,7 +235,7 @@ def run(matrix: Matrix, opts: RunOptions, console: Console | None = None,
         if not leader:
             return 0
         passed = summarize(plan, run_dir, manifest, console) if summarize else True
-    failed = [cid for cid, c in manifest.data["cells"].items() if cid in settings and c.get("status") != "done"]
+    failed = [cid for cid, c in manifest.data.cells.items() if cid in settings and c.get("status") != "done"]
     if failed:
         console.print(f"[red]{len(failed)} cell(s) did not complete: {', '.join(failed)}[/] (reasons in {escape(str(run_dir / 'manifest.json'))})")
         return 1
@@ -352,7 +351,7 @@ def _run_groups(plan, opts, run_dir, manifest, settings, already, prompts, ref, 
                     _record_group(group, outcome)
 
         def _record_group(group, outcome) -> None:
-            g = manifest.data["groups"].setdefault(group.id, {})
+            g = manifest.data.groups.setdefault(group.id, {})
             g.update(load_s=outcome.load_seconds, attempts=outcome.attempts)
             if plan.matrix.device == "cuda" and group.tp > 1 and outcome.logs:
                 g["nccl_observed"] = group_observation(outcome.logs, group.nccl_env)
