@@ -321,3 +321,44 @@ def test_run_summary_and_gate_give_one_verdict_on_every_pair(matrix_run: Path, t
         assert summary["passed"] == gate.passed is False
         missing = rows["hf-tp2-bs4-default-stock-score"]
         assert ("is missing although the manifest says the cell is done" in " ".join(missing["reasons"])) == broken
+
+
+def test_the_price_list_sets_each_modes_speed_against_stocks_beside_what_it_keeps():
+    """summary["price"]: per kernel mode, cells identical to their reference and the geometric mean
+    of tokens/s against the stock cell with every other setting equal (cells without one left out)."""
+    import io
+    import math
+
+    from rich.console import Console
+
+    from repaudit.compare.summary import price_line, price_list, print_summary
+
+    def row(kernels, tp, bs, tok_s, identical=None):
+        r = {"cell": f"{kernels}-{tp}-{bs}", "reference": "ref", "reference_delta": "", "status": "done",
+             "settings": {"engine": "hf", "tp": tp, "batch_size": bs, "nccl": "default", "kernels": kernels, "mode": "score"},
+             "tokens_per_s": tok_s}
+        if identical is not None:
+            r["identical"] = identical
+        return r
+
+    rows = [row("stock", 1, 1, 100.0), row("stock", 1, 4, 400.0, False), row("stock", 2, 1, None, False),
+            row("tbik", 1, 1, 50.0), row("tbik", 1, 4, 100.0, True), row("tbik", 2, 1, 80.0, True),
+            row("tbik", 2, 4, 90.0, True)]
+    stock, tbik = price_list(rows)
+    assert (stock["identical"], stock["compared"], stock["speed_vs_stock"], stock["speed_pairs"]) == (0, 2, 1.0, 2)
+    # tbik pairs with stock at (1, 1) and (1, 4) only: stock (2, 1) has no rate, stock (2, 4) does not exist
+    assert (tbik["identical"], tbik["compared"], tbik["speed_pairs"]) == (3, 3, 2)
+    assert tbik["speed_vs_stock"] == math.exp((math.log(0.5) + math.log(0.25)) / 2)
+    assert price_line(tbik) == ("tbik: 3 of 3 cells bitwise identical to their reference, "
+                                "at 0.35x stock's tokens/s (2 cells)")
+    assert price_line(stock) == "stock: 0 of 2 cells bitwise identical to their reference"
+    out = io.StringIO()
+    print_summary({"cells": [], "price": [stock, tbik]}, Console(file=out, width=80))
+    assert out.getvalue().splitlines()[-1] == price_line(tbik)
+
+
+def test_a_run_summary_carries_the_price_list(matrix_run: Path):
+    summary = json.loads((matrix_run / "summary.json").read_text())
+    (stock,) = summary["price"]
+    assert stock["kernels"] == "stock" and stock["compared"] == 6 and stock["speed_vs_stock"] == 1.0
+    assert "| stock | " in (matrix_run / "summary.md").read_text()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +60,7 @@ def summarize(plan: Plan, run_dir: Path, manifest: Manifest, thresholds: Thresho
     compared = [r for r in rows if r["cell"] in outcome]
     loads = {g: v.get("load_s", []) for g, v in manifest.data.groups.items()}
     return {
+        "price": price_list(rows),
         "baseline": plan.baseline.id,
         "reference_per": list(plan.matrix.reference_per),
         "cells": rows,
@@ -69,6 +71,38 @@ def summarize(plan: Plan, run_dir: Path, manifest: Manifest, thresholds: Thresho
         "sum_cell_s": sum(r["seconds"] or 0 for r in rows),
         "load_s": loads,
     }
+
+
+def price_list(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """What each kernel mode costs and what it buys, from the same run: per mode, the cells kept
+    bitwise identical to their reference, and its tokens/s against stock's, the geometric mean of
+    cell / stock cell over the cells whose every other setting (engine, TP, batch, NCCL, mode) has
+    a stock cell too. `speed_vs_stock` is None where the run has no such pair."""
+    key = lambda r: tuple(sorted((k, str(v)) for k, v in r["settings"].items() if k != "kernels"))  # noqa: E731
+    stock = {key(r): r["tokens_per_s"] for r in rows if r["settings"]["kernels"] == "stock" and r["tokens_per_s"]}
+    out: dict[str, dict[str, Any]] = {}
+    for r in rows:
+        p = out.setdefault(r["settings"]["kernels"], {"kernels": r["settings"]["kernels"], "identical": 0, "compared": 0,
+                                                      "speed_vs_stock": None, "speed_pairs": 0, "_logs": []})
+        if "identical" in r:
+            p["identical"] += bool(r["identical"])
+            p["compared"] += 1
+        base = stock.get(key(r))
+        if base and r["tokens_per_s"]:
+            p["_logs"].append(math.log(r["tokens_per_s"] / base))
+    for p in out.values():
+        logs = p.pop("_logs")
+        if logs:
+            p["speed_vs_stock"], p["speed_pairs"] = math.exp(math.fsum(logs) / len(logs)), len(logs)
+    return list(out.values())
+
+
+def price_line(p: dict[str, Any]) -> str:
+    """"tbik: 6 of 6 cells bitwise identical to their reference, at 0.62x stock's tokens/s"."""
+    line = f"{p['kernels']}: {p['identical']} of {p['compared']} cells bitwise identical to their reference"
+    if p["kernels"] != "stock" and p["speed_vs_stock"] is not None:
+        line += f", at {p['speed_vs_stock']:.2f}x stock's tokens/s ({p['speed_pairs']} cells)"
+    return line
 
 
 def _fmt_rate(x: float | None) -> str:
@@ -105,17 +139,6 @@ def table_rows(summary: dict[str, Any]) -> list[list[str]]:
 HEADER = ["cell", "reference", "status", "bitwise-equal", "max ULP", "max |Δ lp|", "first divergence", "seq match", "tok/s"]
 
 
-def verdicts(summary: dict[str, Any]) -> list[tuple[str, int, int]]:
-    """(kernel mode, cells bitwise identical to their reference, cells compared), in run order."""
-    out: dict[str, list[int]] = {}
-    for r in summary["cells"]:
-        if "identical" in r:
-            n = out.setdefault(r["settings"]["kernels"], [0, 0])
-            n[0] += r["identical"]
-            n[1] += 1
-    return [(k, same, total) for k, (same, total) in out.items()]
-
-
 def _label(settings: dict[str, Any], varying: list[str]) -> str:
     names = {"tp": "tp{}", "batch_size": "bs{}", "engine": "{}", "nccl": "{}"}
     return " ".join(names[k].format(settings[k]) for k in varying) or "—"
@@ -144,9 +167,10 @@ def print_summary(summary: dict[str, Any], console: Console) -> None:
             t.add_row(_label(r["settings"], varying) + status, vs, row[3], row[4], "—" if first is None else f"pos {first}",
                       row[7], row[8])
         console.print(t)
-    for kernels, same, total in verdicts(summary):
-        colour = "green" if same == total else "red"
-        console.print(f"[bold {colour}]{kernels}: {same} of {total} cells bitwise identical to their reference[/]")
+    for p in summary["price"]:
+        if p["compared"]:
+            colour = "green" if p["identical"] == p["compared"] else "red"
+            console.print(f"[bold {colour}]{price_line(p)}[/]", soft_wrap=True)  # one line in a log, whatever its width
 
 
 def summary_markdown(summary: dict[str, Any]) -> str:
@@ -155,6 +179,13 @@ def summary_markdown(summary: dict[str, Any]) -> str:
              "| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
     lines += ["| " + " | ".join(row) + " |" for row in table_rows(summary)]
     lines += ["", f"{summary['identical_cells']}/{summary['compared_cells']} cells bitwise identical to their reference.", ""]
+    lines += ["What each kernel mode buys and costs, from this run (tokens/s: geometric mean of each cell against",
+              "the stock cell with the same other settings):", "",
+              "| kernels | cells identical to their reference | tokens/s vs stock |", "|---|---|---|"]
+    lines += [f"| {p['kernels']} | {p['identical']}/{p['compared']} | "
+              + ("—" if p["speed_vs_stock"] is None else f"{p['speed_vs_stock']:.2f}x ({p['speed_pairs']} cells)") + " |"
+              for p in summary["price"]]
+    lines.append("")
     if summary.get("wall_s") is not None:
         loads = sum(sum(v) for v in summary["load_s"].values())
         lines.append(f"Whole matrix {summary['wall_s']:.1f} s; sum of cell times {summary['sum_cell_s']:.1f} s; "
