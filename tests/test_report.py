@@ -285,3 +285,24 @@ def test_report_with_thresholds_and_custom_paths(tmp_path, capsys):
     assert "WITHIN THRESHOLDS" in out and "max ULP 3" in h.read_text()
     assert "repaudit gate " + str(run) + " --junit junit.xml --max-ulp 3" in h.read_text()
     assert not (run / "report.html").exists()
+
+
+def test_the_report_shows_each_kernel_modes_speed_against_stocks():
+    """The price list's tiles (the run summary's numbers): tokens/s against the stock twin, with the
+    cells the mode keeps identical; none for stock itself."""
+    from types import SimpleNamespace
+
+    from repaudit.report.headline import price_tiles
+
+    def cell(kernels, bs, rate):
+        settings = {"engine": "hf", "tp": 1, "batch_size": bs, "nccl": "default", "kernels": kernels, "mode": "score",
+                    "id": f"{kernels}-{bs}", "model": "m"}
+        return SimpleNamespace(id=f"{kernels}-{bs}", settings=settings, timing={"prefill_tokens_per_s": rate})
+
+    cells = [cell("stock", 1, 200.0), cell("stock", 4, 800.0), cell("tbik", 1, 100.0), cell("tbik", 4, 200.0)]
+    identical = SimpleNamespace(identical=True)
+    pairs = [SimpleNamespace(cell="stock-4", result=SimpleNamespace(identical=False), failure=None),
+             SimpleNamespace(cell="tbik-4", result=identical, failure=None)]
+    (tile,) = price_tiles(SimpleNamespace(cells=cells, gate=SimpleNamespace(pairs=pairs)))
+    assert (tile.label, tile.value, tile.tone) == ("tbik: speed vs stock", "0.35x", "pass")
+    assert tile.detail == "tokens/s over 2 cells · keeps 1/1 identical"

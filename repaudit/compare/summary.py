@@ -17,7 +17,8 @@ from .render import pct
 from .result import Thresholds, json_float
 
 
-def _rate(timing: dict[str, Any] | None, mode: str) -> float | None:
+def tokens_per_s(timing: dict[str, Any] | None, mode: str) -> float | None:
+    """A cell's engine tokens/s: decoding for generate, prefill for score."""
     if not timing:
         return None
     return timing.get("decode_tokens_per_s") if mode == "generate" else timing.get("prefill_tokens_per_s")
@@ -35,7 +36,7 @@ def summarize(plan: Plan, run_dir: Path, manifest: Manifest, thresholds: Thresho
         row: dict[str, Any] = {
             "cell": cell.id, "settings": {k: getattr(cell, k) for k in CELL_SETTINGS}, "reference": reference.id,
             "reference_delta": reference_delta(cell, reference), "status": entry.get("status"), "reason": entry.get("reason"),
-            "seconds": entry.get("seconds"), "tokens_per_s": _rate(entry.get("timing"), cell.mode),
+            "seconds": entry.get("seconds"), "tokens_per_s": tokens_per_s(entry.get("timing"), cell.mode),
             "timing": entry.get("timing"), "ranks_differ": entry.get("ranks_differ"),
         }
         p = outcome.get(cell.id)

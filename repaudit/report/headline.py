@@ -6,6 +6,8 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 from ..compare.render import num, pct, verdict_line
+from ..compare.summary import price_list, tokens_per_s
+from .analysis import DIMENSIONS
 from .build import ReportData
 
 
@@ -33,6 +35,18 @@ def verdict(data: ReportData) -> tuple[str, str]:
     return f"WITHIN THRESHOLDS: {len(cases)} of {len(cases)} cell pairs pass (not all bitwise identical)", "pass"
 
 
+def price_tiles(data: ReportData) -> list[Tile]:
+    """A tile per kernel mode other than stock, where the run has stock twins: its tokens/s against
+    stock's, with the cells it keeps identical (compare.summary.price_list, the run summary's)."""
+    identical = {p.cell: p.result is not None and p.failure is None and p.result.identical for p in data.gate.pairs}
+    rows = [{"settings": {d: c.settings.get(d) for d in DIMENSIONS}, "tokens_per_s": tokens_per_s(c.timing, c.settings["mode"]),
+             **({"identical": identical[c.id]} if c.id in identical else {})} for c in data.cells]
+    return [Tile(f"{p['kernels']}: speed vs stock", f"{p['speed_vs_stock']:.2f}x",
+                 f"tokens/s over {p['speed_pairs']} cells · keeps {p['identical']}/{p['compared']} identical",
+                 "pass" if p["identical"] == p["compared"] else "fail")
+            for p in price_list(rows) if p["kernels"] != "stock" and p["speed_vs_stock"] is not None]
+
+
 def tiles(data: ReportData) -> list[Tile]:
     out = []
     results = [(p.label, p.outcome, p.result) for p in data.pairs if p.result is not None]
@@ -42,6 +56,7 @@ def tiles(data: ReportData) -> list[Tile]:
         ident = sum(r.identical for _, _, r in results)
         out.append(Tile("identical to their reference", f"{ident}/{len(data.pairs)}", "cell pairs, every bit",
                         "pass" if ident == len(data.pairs) else "fail"))
+        out += price_tiles(data)
     if results:
         label, _, r = min(results, key=lambda x: (Fraction(x[2].bitwise_equal, max(1, x[2].comparable)), x[0]))
         out.append(Tile("lowest bitwise-equal", pct(r.bitwise_equal, r.comparable),
