@@ -222,38 +222,45 @@ def run_group(
                 # The caller failed (e.g. the manifest cannot be written: disk full): never leave the job running.
                 _kill(proc, attempt.pids)
                 raise
-        if outcome.interrupted:
+        last = _settle(outcome, attempt, remaining, known, log_path, proc.returncode)
+        # The cells this attempt settled, as events, before the next attempt starts: the caller acts on
+        # final outcomes while the group goes on (a failed reference cell releases the score cells of
+        # the next attempt, and of other groups, which wait for its record).
+        for cid in list(outcome.cells)[known:]:
+            oc = outcome.cells[cid]
+            on_event({"event": "cell_settled", "cell": cid, "status": oc.status, "reason": oc.reason})
+        if last:
             break
-        log_text = lambda: log_path.read_text(errors="replace")  # noqa: E731
-        why = lambda: exit_reason(log_text(), proc.returncode)  # noqa: E731
-        left = [c for c in remaining if c not in outcome.cells]
-        if left and not attempt.loaded:
-            # Died before the model was ready: every remaining cell shares that fate, and a retry would repeat it.
-            reason = attempt.job_failure or f"model load failed: {why()}"
-            for cid in left:
-                outcome.cells[cid] = CellOutcome("failed", reason)
-            break
-        current = None if attempt.ended_by_us else attempt.current(outcome)
-        if current:
-            own = attempt.failure_reason.get(current)
-            outcome.cells[current] = CellOutcome("failed", killed_rank(log_text()) or (own[1] if own else why()))
         remaining = [c for c in remaining if c not in outcome.cells]
-        if remaining and len(outcome.cells) == known:  # no cell settled: a new job would end the same way
-            reason = attempt.job_failure or f"the job ended without running this cell ({why()})"
-            for cid in remaining:
-                outcome.cells[cid] = CellOutcome("failed", reason)
-            break
-        _tell_settled(outcome, list(outcome.cells)[known:], on_event)
     return outcome
 
 
-def _tell_settled(outcome: GroupOutcome, cells: list[str], on_event: Callable[[dict], None]) -> None:
-    """Before the next attempt starts: the cells the last one settled, as events, so the caller can act
-    on a final outcome while the group goes on (a failed reference cell must release the score cells
-    of the next attempt, which wait for its record)."""
-    for cid in cells:
-        oc = outcome.cells[cid]
-        on_event({"event": "cell_settled", "cell": cid, "status": oc.status, "reason": oc.reason})
+def _settle(outcome: GroupOutcome, attempt: _Attempt, remaining: list[str], known: int, log_path: Path,
+            returncode: int | None) -> bool:
+    """After an attempt: the outcome of the cell it was running when it ended, and whether another
+    attempt would be pointless (interrupted, or the job can only end the same way again)."""
+    if outcome.interrupted:
+        return True
+    log_text = lambda: log_path.read_text(errors="replace")  # noqa: E731
+    why = lambda: exit_reason(log_text(), returncode)  # noqa: E731
+    left = [c for c in remaining if c not in outcome.cells]
+    if left and not attempt.loaded:
+        # Died before the model was ready: every remaining cell shares that fate, and a retry would repeat it.
+        reason = attempt.job_failure or f"model load failed: {why()}"
+        for cid in left:
+            outcome.cells[cid] = CellOutcome("failed", reason)
+        return True
+    current = None if attempt.ended_by_us else attempt.current(outcome)
+    if current:
+        own = attempt.failure_reason.get(current)
+        outcome.cells[current] = CellOutcome("failed", killed_rank(log_text()) or (own[1] if own else why()))
+    left = [c for c in remaining if c not in outcome.cells]
+    if left and len(outcome.cells) == known:  # no cell settled: a new job would end the same way
+        reason = attempt.job_failure or f"the job ended without running this cell ({why()})"
+        for cid in left:
+            outcome.cells[cid] = CellOutcome("failed", reason)
+        return True
+    return False
 
 
 def _apply(ev: dict, attempt: _Attempt, outcome: GroupOutcome) -> None:

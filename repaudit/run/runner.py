@@ -303,12 +303,9 @@ def _run_groups(plan, opts, run_dir, manifest, settings, already, prompts, ref, 
             elif kind == "cell_failed":
                 progress.console.print(f"[red]failed[/] {cid}: {escape(ev['reason'])}")
             elif kind == "cell_settled" and reference_cell and cid == reference_cell.id and ev["status"] != "done":
-                _reference_will_not_come(ev["status"], ev["reason"])
-
-        def _reference_will_not_come(status: str, reason: str | None) -> None:
-            # Score cells waiting for the reference record (in other groups, or in the next attempt of its
-            # own) fail now, with this reason, instead of waiting out the run.
-            write_text_atomic(reference_failed, f"{reference_cell.id}: {status}: {reason}\n")
+                # Score cells waiting for its record (in other groups, or in the next attempt of its own)
+                # fail now, with this reason, instead of waiting out the run.
+                write_text_atomic(reference_failed, f"{reference_cell.id}: {ev['status']}: {ev['reason']}\n")
 
         abort = threading.Event()
         stopping = lambda: bool(stop) or abort.is_set()  # noqa: E731
@@ -344,9 +341,6 @@ def _run_groups(plan, opts, run_dir, manifest, settings, already, prompts, ref, 
                     nproc=1 if group.engine == "vllm" else group.tp // opts.rdzv.nnodes, rdzv=opts.rdzv, cell_timeout=opts.cell_timeout,
                     load_timeout=opts.load_timeout, env=env, on_event=on_event, should_stop=stopping, pass_fds=lock_fds)
             with lock:
-                settled = outcome.cells.get(reference_cell.id) if reference_cell else None
-                if settled is not None and settled.status != "done":
-                    _reference_will_not_come(settled.status, settled.reason)
                 if leader:
                     _record_group(group, outcome)
 
