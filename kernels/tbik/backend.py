@@ -30,12 +30,12 @@ def use_interpreter(on: bool = True) -> None:
     fixes in tl/interpret.py. Triton's switch is also its TRITON_INTERPRET variable: processes
     started meanwhile inherit it, and must call this themselves to run the kernels that way."""
     global _interpreter
+    if on == _interpreter:
+        return
     import triton
 
     from .tl import interpret
 
-    if on == _interpreter:
-        return
     if on:
         interpret.apply()
         triton.knobs.runtime.interpret = True
