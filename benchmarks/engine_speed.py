@@ -4,7 +4,9 @@ side in one process: same loaded model, same kernel mode, same prompts, same bat
 - score: repaudit's hf.score (capture on: logprob, top-k, top-1, row digest, rows on the host)
   against a plain forward `model(input_ids, attention_mask).logits`.
 - generate: repaudit's hf.generate against `model.generate` (greedy, the same number of new
-  tokens, the same cache implementation as the engine's decode loop).
+  tokens, the same cache implementation as the engine's decode loop: static on one GPU, where
+  the engine replays its steps from a CUDA graph, without torch.compile, whose fused kernels
+  would compute other bits).
 
 Runs alternate (baseline, repaudit) per batch size, median of --runs. TP>1 runs under torchrun:
 
@@ -31,13 +33,13 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 
-def _prompts(model_id: str, n: int, new: int):
+def _prompts(model_id: str, new: int):
     from repaudit.probes import load_suite
     from repaudit.run.model import load_tokenizer, resolve_model, tokenize
 
     ref = resolve_model(model_id)
     tok = load_tokenizer(ref, False)
-    specs = tokenize(load_suite("default"), tok, new, None)[:n]
+    specs = tokenize(load_suite("default"), tok, new, None)
     return ref, tok, specs
 
 
@@ -56,7 +58,11 @@ def _plain_score(model, batch, pad_id):
         mask[b, : lens[b]] = 1
     dev = next(model.parameters()).device
     with torch.inference_mode():
-        model(input_ids=ids.to(dev), attention_mask=mask.to(dev)).logits
+        # The base model on the batch, lm_head per sequence: [batch x longest x vocab] logits of
+        # the long prompts at batch 32 would not fit (67 GiB), and the engine's head runs so too.
+        hidden = model.base_model(input_ids=ids.to(dev), attention_mask=mask.to(dev)).last_hidden_state
+        for b, n in enumerate(lens):
+            model.lm_head(hidden[b : b + 1, :n])
     return sum(lens)
 
 
@@ -70,8 +76,11 @@ def _plain_generate(model, batch, pad_id, new, cache):
         mask[b, T - lens[b]:] = 1
     dev = next(model.parameters()).device
     with torch.inference_mode():
+        # disable_compile: transformers would torch.compile the static-cache step, which fuses ops
+        # and so computes other bits than the model's eager forward that the records hold.
         out = model.generate(input_ids=ids.to(dev), attention_mask=mask.to(dev), max_new_tokens=new, min_new_tokens=new,
-                             do_sample=False, pad_token_id=pad_id, eos_token_id=None, cache_implementation=cache)
+                             do_sample=False, pad_token_id=pad_id, eos_token_id=None, cache_implementation=cache,
+                             disable_compile=True)
     return (out.shape[1] - T) * len(batch)
 
 
@@ -90,7 +99,8 @@ def main() -> None:
     ap.add_argument("--kernels", default="stock,bi,tbik")
     ap.add_argument("--batch", default="1,8,32")
     ap.add_argument("--mode", default="score,generate")
-    ap.add_argument("--prompts", type=int, default=32)
+    ap.add_argument("--chunks", type=int, default=2, help="batches per measurement: batch x chunks prompts, "
+                    "the suite's first ones, repeated if it has fewer")
     ap.add_argument("--new", type=int, default=16)
     ap.add_argument("--topk", type=int, default=5)
     ap.add_argument("--runs", type=int, default=3)
@@ -106,24 +116,28 @@ def main() -> None:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         dist.init_process_group("nccl")
     rank = dist.get_rank() if dist.is_initialized() else 0
-    ref, tok, specs = _prompts(args.model, args.prompts, args.new)
-    hfm = hf.load(str(ref.path), dtype="bfloat16", device="cuda", tp=args.tp, eos_id=None, pad_id=tok.pad_token_id)
+    ref, tok, specs = _prompts(args.model, args.new)
+    on_gpu = torch.cuda.is_available()
+    hfm = hf.load(str(ref.path), dtype="bfloat16" if on_gpu else "float32", device="cuda" if on_gpu else "cpu",
+                  tp=args.tp, eos_id=None, pad_id=tok.pad_token_id)
     seqs = {"generate": [Sequence(p.id, tuple(p.tokens), None, args.new) for p in specs]}
     # Score the prompt plus a fixed completion of `new` tokens (what a reference generation gives).
     seqs["score"] = [Sequence(p.id, tuple(p.tokens), tuple(p.tokens[:args.new]), 0) for p in specs]
     batches = [int(b) for b in args.batch.split(",")]
-    device = torch.cuda.get_device_name()
+    device = torch.cuda.get_device_name() if on_gpu else "CPU (a check of the script, not a measurement)"
     rows = []
     for kernels in args.kernels.split(","):
         with kernel_mode(hfm, kernels):
             for mode in args.mode.split(","):
                 for bs in batches:
-                    chunks = [seqs[mode][i:i + bs] for i in range(0, len(seqs[mode]), bs)]
+                    pool = seqs[mode] * (-(-bs * args.chunks // len(seqs[mode])))
+                    chunks = [pool[i * bs:(i + 1) * bs] for i in range(args.chunks)]
                     if mode == "score":
                         base = lambda: sum(_plain_score(hfm.model, c, hfm.pad_id) for c in chunks)  # noqa: E731
                         mine = lambda: sum(sum(len(r.pos) + 1 for r in hf.score(hfm, c, args.topk)[0]) for c in chunks)  # noqa: E731
                     else:
-                        base = lambda: sum(_plain_generate(hfm.model, c, hfm.pad_id, args.new, hf.CACHE_IMPLEMENTATION)  # noqa: E731
+                        cache = "dynamic" if hfm.decode == "dynamic" else "static"
+                        base = lambda: sum(_plain_generate(hfm.model, c, hfm.pad_id, args.new, cache)  # noqa: E731
                                            for c in chunks)
                         mine = lambda: sum(sum(int((r.pos >= r.prompt_len).sum()) for r in hf.generate(hfm, c, args.topk)[0])  # noqa: E731
                                            for c in chunks)
@@ -134,7 +148,8 @@ def main() -> None:
                         m_runs.append(_timed(mine))
                     tok_s = lambda runs: statistics.median(n / s for s, n in runs)  # noqa: E731
                     row = {"device": device, "engine": "hf", "kernels": kernels, "mode": mode, "tp": args.tp, "batch": bs,
-                           "repaudit_tok_s": tok_s(m_runs), "baseline_tok_s": tok_s(b_runs)}
+                           "repaudit_tok_s": tok_s(m_runs), "baseline_tok_s": tok_s(b_runs),
+                           "decode": hfm.decode if mode == "generate" else None}
                     row["ratio"] = row["repaudit_tok_s"] / row["baseline_tok_s"]
                     row["command"] = " ".join(["benchmarks/engine_speed.py", *sys.argv[1:]])
                     rows.append(row)

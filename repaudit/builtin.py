@@ -4,6 +4,15 @@ tokenizer. Made on first use in repaudit's cache; nothing is downloaded.
 `builtin:tiny-qwen3` and `builtin:tiny-llama` are a few MB and run on a laptop CPU;
 `builtin:qwen3-0.6b` and `builtin:qwen3-1.7b` have Qwen3-0.6B's and Qwen3-1.7B's shapes
 (untied lm_head: 0.75 B and 2.0 B parameters) for GPU evidence without a hub download.
+
+Mixture of experts (transformers' `qwen3_moe`, every layer sparse, top-k weights renormalised):
+- `builtin:tiny-qwen3-moe`: tiny-qwen3's attention (hidden 64, 16 query / 8 KV heads of 16),
+  2 layers of 8 experts, top-2, expert width 32: 0.25 M parameters (1 MB), for CPU tests.
+- `builtin:qwen3-moe-1.6b`: Qwen3-30B-A3B's routing (128 experts, top-8, expert width 256
+  where it has 768) and head_dim 128 at hidden 1024, 12 layers, 16 query / 4 KV heads,
+  vocabulary 151936: 1.58 B parameters, 0.45 B active per token (0.31 B of them embeddings).
+Expert widths are multiples of 16, so tbik's 8-chunk tree cuts them into whole chunks at TP 1
+and 2 alike.
 """
 
 from __future__ import annotations
@@ -38,6 +47,9 @@ class BuiltinSpec:
 
 _COMMON = {"max_position_embeddings": 16384, "rope_theta": 10000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": False}
 
+# Every layer sparse (no dense MLP layers), top-k weights renormalised as Qwen3-MoE checkpoints do.
+_MOE = {"decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True}
+
 BUILTINS = {
     "tiny-qwen3": BuiltinSpec(
         "tiny-qwen3", "qwen3",
@@ -64,6 +76,21 @@ BUILTINS = {
          "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "initializer_range": 0.02,
          "max_position_embeddings": 40960, "rope_theta": 1000000.0},
         seed=17,
+    ),
+    "tiny-qwen3-moe": BuiltinSpec(
+        "tiny-qwen3-moe", "qwen3_moe",
+        {**_COMMON, "vocab_size": 384, "hidden_size": 64, "intermediate_size": 192, "num_hidden_layers": 2,
+         "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 16, "initializer_range": 0.1,
+         **_MOE, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32},
+        seed=2718,
+    ),
+    "qwen3-moe-1.6b": BuiltinSpec(
+        "qwen3-moe-1.6b", "qwen3_moe",
+        {**_COMMON, "vocab_size": 151936, "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 12,
+         "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 128, "initializer_range": 0.02,
+         "max_position_embeddings": 40960, "rope_theta": 1000000.0,
+         **_MOE, "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 256},
+        seed=31,
     ),
 }
 

@@ -32,7 +32,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from repaudit.record.digest import row_digest, to_uint64  # noqa: E402
-from repaudit.engines import hf  # noqa: E402
+from repaudit.engines import hf, hf_decode  # noqa: E402
 from repaudit.engines.base import Sequence  # noqa: E402
 from repaudit.errors import InputError  # noqa: E402
 
@@ -189,22 +189,31 @@ def _reference(model, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @torch.inference_mode()
-def _reference_cached(model, prompt: list[int], new: list[int]) -> torch.Tensor:
+def _reference_cached(model, prompt: list[int], new: list[int], static: bool = False) -> torch.Tensor:
     """The model's own fp32 logits for each new token as a generation computes them, fed the
     inputs the engine gives its base model (mask, positions, a KV cache the model makes itself),
     step by step with logits_to_keep=1, as generate() does. The prefill runs with the cache:
-    some families' base models give other bits with a cache than without (Inkling)."""
+    some families' base models give other bits with a cache than without (Inkling).
+    static: transformers' StaticCache of prompt + new slots, the mask over all of them (what
+    generate(cache_implementation="static") gives the model)."""
+    from transformers import StaticCache
+
     def step(ids, mask, positions, cache, keep):
         return model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
                      use_cache=True, logits_to_keep=keep)
 
     ids = torch.tensor([prompt])
-    mask = torch.ones_like(ids)
+    slots = len(prompt) + len(new)
+    mask = torch.zeros((1, slots), dtype=torch.long) if static else torch.ones_like(ids)
+    mask[:, : len(prompt)] = 1
     positions = torch.arange(len(prompt))[None]
-    out = step(ids, mask, positions, None, 1)
+    out = step(ids, mask, positions, StaticCache(config=model.config, max_cache_len=slots) if static else None, 1)
     rows = [out.logits.float()[0, -1]]
-    for tok in new[:-1]:
-        mask = torch.cat([mask, torch.ones((1, 1), dtype=mask.dtype)], dim=1)
+    for i, tok in enumerate(new[:-1]):
+        if static:
+            mask[:, len(prompt) + i] = 1
+        else:
+            mask = torch.cat([mask, torch.ones((1, 1), dtype=mask.dtype)], dim=1)
         positions = positions[:, -1:] + 1
         out = step(torch.tensor([[tok]]), mask, positions, out.past_key_values, 1)
         rows.append(out.logits.float()[0, -1])
@@ -237,12 +246,19 @@ def _conform(model_type: str, path, seed: int = 0) -> None:
             f"{model_type} score s{i}: top-k logprobs differ"
 
     prompt = sequences[0][0]
-    (rows,), _ = hf.generate(hfm, [Sequence("g", tuple(prompt), None, 3)], topk=0)
-    new = rows.token_id.tolist()
-    assert len(new) == 3 and rows.pos.tolist() == [len(prompt), len(prompt) + 1, len(prompt) + 2]
-    d_logits = _reference_cached(hfm.model, prompt, new)
-    assert new == d_logits.argmax(-1).tolist(), f"{model_type} generate: greedy tokens differ"
-    _check_rows(f"{model_type} generate (new tokens)", rows, d_logits, torch.log_softmax(d_logits, dim=-1), np.asarray(new))
+    for decode in ("dynamic", "static") if hf_decode.static_supported(hfm.model) else ("dynamic",):
+        hfm.decode = decode
+        (rows,), _ = hf.generate(hfm, [Sequence("g", tuple(prompt), None, 3)], topk=0)
+        new = rows.token_id.tolist()
+        assert len(new) == 3 and rows.pos.tolist() == [len(prompt), len(prompt) + 1, len(prompt) + 2]
+        d_logits = _reference_cached(hfm.model, prompt, new, static=decode == "static")
+        what = f"{model_type} generate ({decode} cache)"
+        assert new == d_logits.argmax(-1).tolist(), f"{what}: greedy tokens differ"
+        _check_rows(f"{what}, new tokens", rows, d_logits, torch.log_softmax(d_logits, dim=-1), np.asarray(new))
+
+
+def test_the_static_decode_families_are_tested():
+    assert hf_decode.STATIC_FAMILIES <= set(TESTED), "a family decodes with a static cache that nothing here checks"
 
 
 # ----------------------------------------------------------------------------- the families

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -110,11 +111,21 @@ def test_unknown_suite_lists_the_builtin_ones():
 
 
 def test_invariant_kernels_refuse_layers_they_cannot_cover():
-    moe = ModelShape("mixtral", 16, 8, 192, 384, {"layers.*.mlp.experts": "moe_tp_experts", "layers.*.self_attn.o_proj": "rowwise"})
+    # Llama4's experts keep gate/up transposed and shard it by rows: not a layout tbik covers.
+    llama4 = ModelShape("llama4_text", 16, 8, 192, 384, {"layers.*.feed_forward.experts": "moe_tp_experts",
+                                                         "layers.*.feed_forward.experts.gate_up_proj": "packed_rowwise"})
     plan = expand(Matrix(model="m", tps=(1, 2), kernels=("stock", "tbik")))
-    with pytest.raises(InputError, match="layer 'layers.\\*.mlp.experts' \\(TP style 'moe_tp_experts'\\) is not covered"):
-        validate_against_model(plan, moe, None)
-    validate_against_model(expand(Matrix(model="m", tps=(1, 2))), moe, None)  # stock runs it
+    with pytest.raises(InputError, match="layer 'layers.\\*.feed_forward.experts.gate_up_proj' \\(TP style 'packed_rowwise'\\) is not covered"):
+        validate_against_model(plan, llama4, None)
+    validate_against_model(expand(Matrix(model="m", tps=(1, 2))), llama4, None)  # stock runs it
+    # Qwen3-MoE's fused experts (packed_colwise gate/up, rowwise down) run repaudit's invariant forward.
+    qwen_moe = ModelShape("qwen3_moe", 16, 8, 192, 384, {"layers.*.mlp.experts": "moe_tp_experts",
+                                                          "layers.*.mlp.experts.gate_up_proj": "packed_colwise",
+                                                          "layers.*.mlp.experts.down_proj": "rowwise"},
+                          moe_intermediate_size=32)
+    validate_against_model(plan, qwen_moe, None)
+    with pytest.raises(InputError, match="--tp 4 does not divide the model's 6 expert MLP width"):
+        validate_against_model(expand(Matrix(model="m", tps=(4,))), replace(qwen_moe, moe_intermediate_size=6), None)
     windowed = ModelShape("mistral", 16, 8, 192, 384, QWEN_LIKE.tp_styles, sliding_window=True)
     with pytest.raises(InputError, match="sliding-window attention is not covered"):
         validate_against_model(expand(Matrix(model="m", tps=(1,), kernels=("bi",))), windowed, None)

@@ -220,3 +220,28 @@ def test_mode_routes_linear_softmax_and_mean():
     assert_bits_equal(ms, tbik.mean_last_dim(x.float().pow(2), keepdim=True))
     assert torch.allclose(m0, x.float().mean(0), atol=1e-6)
     assert d.shape == (3, 2)
+
+
+def test_attention_end_equals_the_keys_cut_there():
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(3, 4, 1, 16, generator=g)
+    k = torch.randn(3, 2, 12, 16, generator=g)
+    v = torch.randn(3, 2, 12, 16, generator=g)
+    start = torch.tensor([0, 2, 5], dtype=torch.int32)
+    end = torch.tensor([7, 7, 9], dtype=torch.int32)
+    got = tbik.attention(q, k, v, start=start, end=end)
+    for b in range(3):
+        e = int(end[b])
+        want = tbik.attention(q[b:b + 1], k[b:b + 1, :, :e], v[b:b + 1, :, :e], start=start[b:b + 1])
+        assert torch.equal(got[b:b + 1].view(torch.int32), want.view(torch.int32))
+    # Garbage past the end (a static cache's unwritten slots can hold anything) changes nothing.
+    k2, v2 = k.clone(), v.clone()
+    k2[:, :, 9:] = float("nan")
+    v2[:, :, 9:] = 1e30
+    assert torch.equal(tbik.attention(q, k2, v2, start=start, end=end).view(torch.int32), got.view(torch.int32))
+
+
+def test_attention_end_must_match_the_batch():
+    q, k = torch.zeros(2, 2, 1, 16), torch.zeros(2, 2, 4, 16)
+    with pytest.raises(ValueError, match="end must have shape"):
+        tbik.attention(q, k, k, end=torch.tensor([4]))

@@ -131,7 +131,7 @@ def test_tbik_locates_nothing(traced: Path):
 def test_trace_format_and_cli(traced: Path, capsys, tmp_path: Path):
     t = pq.read_table(trace_path(cell_path(traced, "hf-tp2-bs1-default-stock-score")))
     meta = t.schema.metadata
-    assert meta[b"repaudit.trace_version"] == b"1"
+    assert meta[b"repaudit.trace_version"] == b"2"
     modules = json.loads(meta[b"repaudit.trace_modules"])
     by_name = {m["name"]: m for m in modules}
     assert by_name["model.layers.0.self_attn.q_proj"]["sharded"] is True  # column-parallel: half per rank

@@ -15,12 +15,15 @@ from . import backend, cpu
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, start: torch.Tensor | None = None,
-              scale: float | None = None) -> torch.Tensor:
+              end: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
     """Causal attention, queries aligned to the end of the keys; keys before start[b] excluded.
 
     q [B, Hq, Tq, D], k and v [B, Hkv, S, D] (any strides; Hq a multiple of Hkv for GQA),
-    start int tensor [B] (left padding; None = no padding), scale default 1/sqrt(D).
-    Query i of row b sits at key index S - Tq + i and sees keys start[b] .. S - Tq + i.
+    start int tensor [B] (left padding; None = no padding), end int tensor [B] (keys from end[b]
+    on are not there yet, as in a static KV cache of S slots; None = S), scale default
+    1/sqrt(D). Query i of row b sits at key index end[b] - Tq + i and sees keys
+    start[b] .. end[b] - Tq + i. A query's bits do not depend on the slots past end[b]: the
+    kernels never read them, so a static cache gives the bits of a cache that holds end[b] keys.
     Returns [B, Hq, Tq, D] in q's dtype (fp32 accumulation, online softmax). Query rows that
     see no key (left-padded queries) come out as zeros.
     """
@@ -40,13 +43,17 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, start: torch
         start = torch.zeros(bsz, dtype=torch.int32, device=q.device)
     elif start.shape != (bsz,):
         raise ValueError(f"start must have shape ({bsz},), got {tuple(start.shape)}")
+    if end is None:
+        end = torch.full((bsz,), s_len, dtype=torch.int32, device=q.device)
+    elif end.shape != (bsz,):
+        raise ValueError(f"end must have shape ({bsz},), got {tuple(end.shape)}")
     if scale is None:
         scale = 1.0 / math.sqrt(dim)
     if backend.on_cpu(q):
-        return cpu.attention(q, k, v, start=start, scale=scale)
+        return cpu.attention(q, k, v, start=start, end=end, scale=scale)
     from .tl import attention as kernels
 
-    return kernels.attention(q, k, v, start, scale)
+    return kernels.attention(q, k, v, start, end, scale)
 
 
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,

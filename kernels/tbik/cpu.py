@@ -106,8 +106,12 @@ def gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
 ROWS_PER_BLOCK = 128  # query rows per step: bounds the [B, H, rows, S] score block
 
 
-def attention(q, k, v, *, start=None, scale=None) -> torch.Tensor:
-    """Causal attention, queries aligned to the end of the keys, keys before start[b] excluded.
+def attention(q, k, v, *, start=None, end=None, scale=None) -> torch.Tensor:
+    """Causal attention, queries aligned to end[b] (default: the end of the keys), keys before
+    start[b] excluded.
+
+    Rows are computed with their keys cut at end[b], rows of one end together, so the slots of a
+    static KV cache past end[b] take no part in any sum (_tree_sum's shape follows the length).
 
     Keys are re-indexed from each sequence's first real key, scores are dot products in a fixed
     order over the head dim, and the softmax sums and P@V are `_tree_sum`s over the relative key
@@ -118,6 +122,13 @@ def attention(q, k, v, *, start=None, scale=None) -> torch.Tensor:
     Hkv, S = k.shape[1], k.shape[2]
     scale = (1.0 / math.sqrt(D)) if scale is None else scale
     start = torch.zeros(B, dtype=torch.long) if start is None else start.long().cpu()
+    if end is not None and bool((end.cpu() != S).any()):
+        end = end.long().cpu()
+        out = torch.empty(q.shape, dtype=q.dtype)
+        for e in end.unique().tolist():
+            rows = (end == e).nonzero().flatten()
+            out[rows] = attention(q[rows], k[rows, :, :e], v[rows, :, :e], start=start[rows], scale=scale)
+        return out
     group = Hq // Hkv
     # Relative key index j of row b is absolute index start[b] + j.
     rel = start[:, None] + torch.arange(S)[None, :]

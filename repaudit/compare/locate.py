@@ -7,6 +7,11 @@ per module, the table counts differing positions and the largest ULP distance am
 sampled features (a lower bound on the row's largest distance). Separately, each trace says
 where its own ranks disagreed on an output every rank should hold whole (a replicated one):
 "ranks disagree at module X" is a divergence inside one cell, reported before any other.
+
+For a mixture-of-experts model the traces also hold each MoE layer's routing (the experts the
+router chose, per token); the routing section gives, per layer in forward order, how many
+common tokens got the same set of experts, the first layer where any differs, and the
+agreement rate over all (token, layer) pairs. A model without routing rows has no such section.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import pyarrow.parquet as pq
 
 from ..errors import InputError
 from ..record.floats import ulp_distance_bits
-from ..record.tracefile import KEY_CELL, KEY_MODULES, KEY_VERSION, TRACE_VERSION, trace_path
+from ..record.tracefile import KEY_CELL, KEY_MODULES, KEY_VERSION, READABLE_VERSIONS, trace_path
 
 
 @dataclass
@@ -52,6 +57,48 @@ class RankDisagreement:
 
 
 @dataclass
+class RoutingLayer:
+    name: str  # the experts module whose input is the router's choice, e.g. model.layers.1.mlp.experts
+    order: int
+    compared: int  # token positions routed in both traces
+    agreeing: int  # of them, those whose set of chosen experts is the same
+    first: dict[str, Any] | None  # {"prompt_id", "pos"} of the first (prompt, position) that differs
+
+
+@dataclass
+class RoutingDiff:
+    layers: list[RoutingLayer]  # MoE layers in forward order
+
+    @property
+    def compared(self) -> int:
+        return sum(layer.compared for layer in self.layers)
+
+    @property
+    def agreeing(self) -> int:
+        return sum(layer.agreeing for layer in self.layers)
+
+    @property
+    def first_layer(self) -> RoutingLayer | None:
+        return next((layer for layer in self.layers if layer.agreeing < layer.compared), None)
+
+    def sentence(self) -> str:
+        from .render import pct
+
+        first = self.first_layer
+        if first is None:
+            return f"routing: the same experts at every (token, MoE layer) pair ({self.compared})"
+        return (f"routing first differs at {first.name} ({first.compared - first.agreeing} of {first.compared} "
+                f"tokens); {pct(self.agreeing, self.compared)} of (token, MoE layer) pairs choose the same experts "
+                f"({self.agreeing}/{self.compared})")
+
+    def to_dict(self) -> dict[str, Any]:
+        first = self.first_layer
+        return {"first_layer": first.name if first else None, "compared": self.compared, "agreeing": self.agreeing,
+                "agreement": self.agreeing / self.compared if self.compared else None,
+                "layers": [layer.__dict__ for layer in self.layers]}
+
+
+@dataclass
 class LocateResult:
     a: str
     b: str
@@ -61,6 +108,7 @@ class LocateResult:
     first_by_prompt: dict[str, tuple[str, int] | None] = field(default_factory=dict)
     only_in_one: list[str] = field(default_factory=list)
     rank_disagreements: list[RankDisagreement] = field(default_factory=list)  # in execution order, per side
+    routing: RoutingDiff | None = None  # MoE models only
 
     @property
     def first(self) -> ModuleDiff | None:
@@ -68,21 +116,23 @@ class LocateResult:
 
     @property
     def diverged(self) -> bool:
-        return self.first is not None or bool(self.rank_disagreements)
+        routed_apart = self.routing is not None and self.routing.first_layer is not None
+        return self.first is not None or bool(self.rank_disagreements) or routed_apart
 
     def sentence(self) -> str:
         firsts = {d.side: d for d in reversed(self.rank_disagreements)}  # each side's earliest module
         parts = [firsts[side].sentence() for side in sorted(firsts)]
         first = self.first
+        routing = [self.routing.sentence()] if self.routing is not None else []
         if first is None:
             parts.append("no module output differs between A and B" if parts else
                          "no module output differs: every traced position is bitwise identical")
-            return "; ".join(parts)
+            return "; ".join(parts + routing)
         worst = max(self.modules, key=lambda m: (m.max_ulp, m.order))
         text = f"first divergence: {first.name}" + (f" ({_style_words(first.style)})" if first.style else "")
         if worst.max_ulp and worst.name != first.name:
             text += f"; grows to max {worst.max_ulp} ULP by {worst.name}"
-        return "; ".join(parts + [text])
+        return "; ".join(parts + [text] + routing)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -90,6 +140,7 @@ class LocateResult:
             "first_by_prompt": {k: (None if v is None else {"module": v[0], "pos": v[1]}) for k, v in self.first_by_prompt.items()},
             "modules": [m.__dict__ for m in self.modules], "only_in_one": self.only_in_one,
             "rank_disagreements": [d.__dict__ for d in self.rank_disagreements],
+            "routing": None if self.routing is None else self.routing.to_dict(),
         }
 
 
@@ -100,6 +151,8 @@ def _style_words(style: str | None) -> str:
         return "row-parallel"
     if style.startswith("colwise"):
         return "column-parallel"
+    if style == "moe_tp_experts":
+        return "experts, row-parallel sum"
     return style
 
 
@@ -109,8 +162,8 @@ def _read(path: Path) -> tuple[pa.Table, dict[str, Any], dict[str, dict[str, Any
     try:
         pf = pq.ParquetFile(path)
         meta = pf.schema_arrow.metadata or {}
-        if meta.get(KEY_VERSION.encode()) != str(TRACE_VERSION).encode():
-            raise InputError(f"{path}: not a repaudit trace of version {TRACE_VERSION}")
+        if meta.get(KEY_VERSION.encode()) not in {str(v).encode() for v in READABLE_VERSIONS}:
+            raise InputError(f"{path}: not a repaudit trace of version {' or '.join(map(str, READABLE_VERSIONS))}")
         table = pf.read()
         modules = {m["name"]: m for m in json.loads(meta[KEY_MODULES.encode()])}
         cell = json.loads(meta[KEY_CELL.encode()])
@@ -157,10 +210,14 @@ def locate(path_a: str | Path, path_b: str | Path) -> LocateResult:
     _, ia, ib = np.intersect1d(ka, kb, assume_unique=True, return_indices=True)
     key = ka[ia]
     module = (key // (max_pos + 1)) % len(codes)
-    shared = [n for n in mods_a if n in mods_b]
-    keep = np.isin(module, [codes[n] for n in shared if n in codes])
-    ia, ib, key, module = ia[keep], ib[keep], key[keep], module[keep]
     prompt, pos = key // (max_pos + 1) // len(codes), key % (max_pos + 1)
+    routers = sorted((n for n in mods_a if n in mods_b and n in codes and mods_a[n].get("routing")),
+                     key=lambda n: mods_a[n]["order"])
+    routing = _routing(ta, tb, [(n, mods_a[n], np.flatnonzero(module == codes[n])) for n in routers],
+                       ia, ib, prompt, pos, prompt_names) if routers else None
+    shared = [n for n in mods_a if n in mods_b and not mods_a[n].get("routing")]
+    keep = np.isin(module, [codes[n] for n in shared if n in codes])
+    ia, ib, key, module, prompt, pos = ia[keep], ib[keep], key[keep], module[keep], prompt[keep], pos[keep]
     differ = ta.column("digest").to_numpy()[ia] != tb.column("digest").to_numpy()[ib]
 
     modules = []
@@ -186,7 +243,44 @@ def locate(path_a: str | Path, path_b: str | Path) -> LocateResult:
             first[prompt_names[prompt[i]]] = (module_names[module[i]], int(pos[i]))
     only = sorted(set(mods_a) ^ set(mods_b))
     disagreements = _rank_disagreements("A", cell_a, mods_a) + _rank_disagreements("B", cell_b, mods_b)
-    return LocateResult(str(pa_), str(pb_), cell_a, cell_b, modules, first, only, disagreements)
+    return LocateResult(str(pa_), str(pb_), cell_a, cell_b, modules, first, only, disagreements, routing)
+
+
+def _routing(ta: pa.Table, tb: pa.Table, routers: list[tuple[str, dict[str, Any], np.ndarray]], ia: np.ndarray,
+             ib: np.ndarray, prompt: np.ndarray, pos: np.ndarray, prompt_names: list[str]) -> RoutingDiff:
+    """Per MoE layer (routers: name, module info, indices into the aligned rows), the common
+    tokens whose chosen experts (sorted ids) are the same in both traces."""
+    ids_a, ids_b = _experts(ta), _experts(tb)
+    layers = []
+    for name, info, rows in routers:
+        a, b = ids_a(ia[rows]), ids_b(ib[rows])
+        same = (a == b).all(axis=1) if a.shape == b.shape else np.zeros(len(rows), dtype=bool)
+        differ = np.flatnonzero(~same)
+        first = None
+        if len(differ):  # the first in (prompt, position) order
+            i = differ[np.lexsort((pos[rows][differ], prompt[rows][differ]))[0]]
+            first = {"prompt_id": prompt_names[prompt[rows][i]], "pos": int(pos[rows][i])}
+        layers.append(RoutingLayer(name=name.removesuffix(":routing"), order=int(info["order"]), compared=len(rows),
+                                   agreeing=int(same.sum()), first=first))
+    return RoutingDiff(layers)
+
+
+def _experts(table: pa.Table):
+    """rows -> their experts [len(rows), k] (all of them the same k), from the `experts` column."""
+    arr = table.column("experts").combine_chunks()
+    # Raw offsets into the backing values (a null row's length is never read: only routing rows are).
+    offsets = arr.offsets.to_numpy().astype(np.int64)
+    values = arr.values.to_numpy(zero_copy_only=False)
+    starts, lengths = offsets[:-1], np.diff(offsets)
+
+    def take(rows: np.ndarray) -> np.ndarray:
+        widths = np.unique(lengths[rows])
+        if len(widths) > 1:
+            raise InputError("a trace's routing rows of one layer hold different numbers of experts")
+        k = int(widths[0]) if len(widths) else 0
+        return values[starts[rows][:, None] + np.arange(k)]
+
+    return take
 
 
 def _rank_disagreements(side: str, cell: dict[str, Any], modules: dict[str, dict[str, Any]]) -> list[RankDisagreement]:
@@ -222,9 +316,26 @@ def print_locate(r: LocateResult, console) -> None:
         console.print(t2)
     if r.only_in_one:
         console.print(f"[yellow]traced in one cell only (not compared):[/] {', '.join(r.only_in_one)}")
+    if r.routing is not None:
+        print_routing(r.routing, console)
     for d in r.rank_disagreements:
         console.print(f"[red]{d.sentence()}[/]")
     console.print(f"[bold {'red' if r.diverged else 'green'}]{r.sentence()}[/]")
+
+
+def print_routing(routing: RoutingDiff, console) -> None:
+    from rich.table import Table
+
+    from .render import pct
+
+    t = Table(title="router choices: tokens whose experts are the same, MoE layers in forward order", header_style="bold")
+    for col in ("MoE layer", "same experts", "first differing (prompt, position)"):
+        t.add_column(col, overflow="fold")
+    for layer in routing.layers:
+        differs = layer.agreeing < layer.compared
+        t.add_row(("[red]" if differs else "") + layer.name, f"{layer.agreeing}/{layer.compared} ({pct(layer.agreeing, layer.compared)})",
+                  f"{layer.first['prompt_id']} pos {layer.first['pos']}" if layer.first else "")
+    console.print(t)
 
 
 def order_index(r: LocateResult, name: str) -> int:

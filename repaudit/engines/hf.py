@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -20,10 +21,11 @@ import torch.distributed as dist
 
 from ..errors import InputError
 from ..record.digest import row_digest, to_uint64
+from . import hf_decode
 from .base import Sequence, Timing, TokenRows, canonical_topk
 
 LOGIT_ROWS_PER_CHUNK = 256
-CACHE_IMPLEMENTATION = "dynamic"  # the KV cache generate() decodes with; benchmarks give model.generate the same
+DECODES = ("dynamic", "static", "graphs")  # KV cache and step of generate(): see hf_decode
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -36,11 +38,15 @@ class HFModel:
     pad_id: int
     log_softmax: Callable[[torch.Tensor], torch.Tensor]
     tracer: Any = None  # a repaudit.run.trace.Tracer while a traced cell runs
+    # "dynamic": transformers' DynamicCache, eager steps; "static": StaticCache, eager steps;
+    # "graphs": StaticCache, steps replayed from a CUDA graph (same bits as "static").
+    decode: str = "dynamic"
 
 
-def _forward(hfm: HFModel, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
-             real: torch.Tensor, prompt_ids: list[str], **kwargs) -> torch.Tensor:
-    """base_model forward; tells the tracer (if any) which flat rows are real and where they sit."""
+def _forward(hfm: HFModel, ids: torch.Tensor, mask: Any, positions: torch.Tensor,
+             real: torch.Tensor | None, prompt_ids: list[str], **kwargs) -> torch.Tensor:
+    """base_model forward; tells the tracer (if any) which flat rows are real and where they sit.
+    `mask`: a 2-D padding mask, or the masks by layer type as the base model takes them."""
     if hfm.tracer is not None:
         flat = real.flatten().nonzero().flatten()
         rows_b = (flat // ids.shape[1]).cpu().numpy()
@@ -75,8 +81,9 @@ def load(path: str, *, dtype: str, device: str, tp: int, trust_remote_code: bool
         # "language_model", so model.base_model would be the CausalLM itself; point it at the
         # module the CausalLM's forward calls (this instance only).
         model.base_model_prefix = base
+    decode = "graphs" if local.type == "cuda" and tp == 1 and hf_decode.static_supported(model) else "dynamic"
     return HFModel(model=model, device=local, tp=tp, eos_id=eos_id, pad_id=pad_id,
-                   log_softmax=lambda x: torch.log_softmax(x, dim=-1))
+                   log_softmax=lambda x: torch.log_softmax(x, dim=-1), decode=decode)
 
 
 # transformers model types (of the checkpoint's config, which AutoModelForCausalLM dispatches on)
@@ -297,21 +304,35 @@ def score(hfm: HFModel, batch: list[Sequence], topk: int) -> tuple[list[TokenRow
 
 @torch.inference_mode()
 def generate(hfm: HFModel, batch: list[Sequence], topk: int) -> tuple[list[TokenRows], Timing]:
-    """Greedy decoding with a KV cache; left padding. Records every generated token, the EOS
-    included (the prompt's positions are a score cell's job)."""
+    """Greedy decoding with a KV cache (hfm.decode says which, and whether a CUDA graph replays
+    the steps); left padding. Records every generated token, the EOS included (the prompt's
+    positions are a score cell's job)."""
     from transformers import DynamicCache
 
     B = len(batch)
     plens = [len(s.prompt) for s in batch]
     T = max(plens)
+    decode = hfm.decode
+    if decode == "graphs" and (hfm.tracer is not None or hfm.device.type != "cuda"):
+        decode = "static"  # the tracer's hooks run host code, which a graph cannot replay
+    if decode not in DECODES:
+        raise ValueError(f"unknown decode {decode!r}: one of {', '.join(DECODES)}")
+    # A static cache's mask spans every slot from the start; the steps fill it in.
+    width = T + max(s.max_new_tokens for s in batch) if decode != "dynamic" else T
     ids = torch.full((B, T), hfm.pad_id, dtype=torch.long)
-    mask = torch.zeros((B, T), dtype=torch.long)
+    mask = torch.zeros((B, width), dtype=torch.long)
     for b, s in enumerate(batch):
         ids[b, T - plens[b] :] = torch.tensor(s.prompt)
-        mask[b, T - plens[b] :] = 1
+        mask[b, T - plens[b] : T] = 1
     ids, mask = ids.to(hfm.device), mask.to(hfm.device)
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    cache = DynamicCache(config=hfm.model.config)
+    positions = (mask[:, :T].cumsum(-1) - 1).clamp(min=0)
+    cache = DynamicCache(config=hfm.model.config) if decode == "dynamic" else hf_decode.new_cache(hfm.model, width)
+    pids = [s.prompt_id for s in batch]
+
+    def eager_step(feed: torch.Tensor, masks: Any, pos: torch.Tensor, live: torch.Tensor | None = None) -> torch.Tensor:
+        return _forward(hfm, feed, masks, pos, live, pids, past_key_values=cache, use_cache=True)[:, -1]
+
+    graphed = hf_decode.GraphedStep(eager_step, cache) if decode == "graphs" else None
     multi_rank = dist.is_initialized() and dist.get_world_size() > 1
 
     def choose(hidden_last: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -324,8 +345,8 @@ def generate(hfm: HFModel, batch: list[Sequence], topk: int) -> tuple[list[Token
 
     _sync(hfm.device)
     t0 = time.perf_counter()
-    pids = [s.prompt_id for s in batch]
-    hidden = _forward(hfm, ids, mask, positions, mask.bool(), pids, past_key_values=cache, use_cache=True)
+    first = mask if decode == "dynamic" else hf_decode.static_mask(hfm.model, mask, cache, T)
+    hidden = _forward(hfm, ids, first, positions, mask[:, :T].bool(), pids, past_key_values=cache, use_cache=True)
     step = choose(hidden[:, -1])
     _sync(hfm.device)
     timing = Timing(prefill_s=time.perf_counter() - t0, prefill_tokens=sum(plens))
@@ -345,13 +366,22 @@ def generate(hfm: HFModel, batch: list[Sequence], topk: int) -> tuple[list[Token
         timing.decode_tokens += int((~done).sum())
         # Finished rows keep decoding a pad token, as generate() does; their rows are not recorded.
         feed = torch.where(torch.from_numpy(done).to(hfm.device), torch.full_like(step["chosen"], hfm.pad_id), step["chosen"])
-        mask = torch.cat([mask, torch.ones((B, 1), dtype=mask.dtype, device=hfm.device)], dim=1)
         positions = positions[:, -1:] + 1
-        live = torch.from_numpy(~done).to(hfm.device)[:, None]
-        h = _forward(hfm, feed[:, None], mask, positions, live, pids, past_key_values=cache, use_cache=True)[:, -1]
+        if decode == "dynamic":
+            mask = torch.cat([mask, torch.ones((B, 1), dtype=mask.dtype, device=hfm.device)], dim=1)
+            masks = mask
+        else:
+            mask[:, T + len(steps) - 1] = 1  # this step's token's slot
+            masks = hf_decode.static_mask(hfm.model, mask, cache, 1)
+        if graphed is not None:
+            h = graphed(feed[:, None], masks, positions)
+        else:
+            h = eager_step(feed[:, None], masks, positions, torch.from_numpy(~done).to(hfm.device)[:, None])
         step = choose(h)
     _sync(hfm.device)
     timing.decode_s = time.perf_counter() - t1
+    if graphed is not None and graphed.failed:
+        warnings.warn(f"decode steps ran without a CUDA graph (same bits, slower): {graphed.failed}", stacklevel=2)
 
     stacked = {k: np.stack([s[k] for s in steps]) for k in steps[0]}  # [steps, B, ...]
     rows = []

@@ -1,5 +1,6 @@
 """The trace file: one row per traced (prompt, position, module), a 64-bit digest of the module's
-output row and a few sampled features' bits (docs/trace.md). Reading and writing it needs no
+output row and a few sampled features' bits, and for a mixture-of-experts layer's routing rows
+the experts the router chose (docs/trace.md). Reading and writing it needs no
 torch, so `repaudit locate` and `repaudit report` run on the light install; making one is
 repaudit.run.trace's job.
 """
@@ -14,7 +15,8 @@ from typing import Any
 
 import pyarrow as pa
 
-TRACE_VERSION = 1
+TRACE_VERSION = 2  # 2 added the experts column (routing rows); version 1 traces read as routing-free
+READABLE_VERSIONS = (1, 2)
 SAMPLES = 8  # features per row whose bits are kept, evenly spaced over the whole row
 KEY_VERSION = "repaudit.trace_version"
 KEY_CELL = "repaudit.cell"
@@ -27,6 +29,8 @@ SCHEMA = pa.schema([
     pa.field("order", pa.int32(), nullable=False),
     pa.field("digest", pa.uint64(), nullable=False),
     pa.field("sample", pa.list_(pa.uint32(), SAMPLES), nullable=False),
+    # routing rows (module NAME:routing) only: the chosen expert ids, sorted ascending; null elsewhere
+    pa.field("experts", pa.list_(pa.int32()), nullable=True),
 ])
 
 
@@ -40,6 +44,7 @@ class ModuleInfo:
     style: str | None  # the module's TP style, when the model's plan names one
     ranks_disagree: int = 0  # rows of a replicated output whose bits are not the same on every rank
     first_disagreement: dict[str, Any] | None = None  # {"prompt_id", "pos"} of the first such row
+    routing: bool = False  # a routing row (the router's choice of experts), not a module output
 
 
 def trace_path(record_path: str | os.PathLike) -> Path:

@@ -9,6 +9,8 @@
   one pairwise tree, and each row-parallel layer returns its rank's fp32 subtree root, which
   tbik.tree_all_reduce combines in the same pairwise order on every rank before the one
   cast. TP=1 and TP=P then add the same numbers in the same order.
+- In both, a mixture-of-experts layer's fused experts run experts.invariant_forward (tbik's
+  matmuls per expert, the TP reduction before the routing weights; see experts.py).
 
 The switch lives here, not in model files: it reads the model's own TP plan, so any family
 whose plan uses colwise/rowwise linear layers is covered; anything else is refused by name.
@@ -21,10 +23,13 @@ from typing import Iterator
 
 import torch
 
+from .experts import invariant_experts, is_experts, unsupported_reason
+
 # TP styles whose forward tbik can take over or leave alone without changing invariance.
-_COLUMN = {"colwise", "colwise_rep", "colwise_gather_output"}  # K whole: the aten override covers them
+_COLUMN = {"colwise", "colwise_rep", "colwise_gather_output", "packed_colwise"}  # K whole: the aten override covers them
 _ROW = {"rowwise", "rowwise_rep"}  # K sharded: partial + tree all-reduce
 _NEUTRAL = {"replicated_with_grad_allreduce", "embedding_rowwise"}  # no reduction, or sums of exact zeros
+_EXPERTS = {"moe_tp_experts"}  # fused experts: experts.invariant_forward does their TP reduction
 
 ATTENTION_NAME = "repaudit_tbik"
 
@@ -51,11 +56,15 @@ def check_supported(model: torch.nn.Module, tp: int) -> None:
     cfg = model.config.get_text_config()
     if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True):
         raise UnsupportedLayer(f"sliding-window attention ({type(model).__name__}) is not covered by tbik's attention")
+    for name, module in model.named_modules():
+        reason = unsupported_reason(module) if is_experts(module) else None
+        if reason:
+            raise UnsupportedLayer(f"layer {name!r} ({type(module).__name__}) is not covered by the tbik kernels: {reason}")
     if tp == 1:
         return
     for name, style in tp_styles(model).items():
         module = model.get_submodule(name)
-        if style in _NEUTRAL:
+        if style in _NEUTRAL or (style in _EXPERTS and is_experts(module)):
             continue
         if style in _COLUMN | _ROW and isinstance(module, torch.nn.Linear):
             continue
@@ -77,12 +86,21 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
     if kwargs.get("sliding_window"):
         raise UnsupportedLayer(f"sliding-window attention in {type(module).__name__}")
     batch = query.shape[0]
+    end = None  # the queries are the last Tq of the keys
     if attention_mask is None:
         start = torch.zeros(batch, dtype=torch.int32, device=query.device)
     else:
-        mask = attention_mask.bool()
-        start = mask.int().argmax(dim=1).to(torch.int32)  # first real key; left padding ends there
-    out = tbik.attention(query, key, value, start=start, scale=scaling)
+        if attention_mask.dim() == 4 and attention_mask.dtype != torch.bool:
+            raise ValueError("tbik attention takes a boolean 4-D mask (True: attend), got an additive one")
+        mask = attention_mask.bool().int()
+        if mask.dim() == 4:
+            # A static KV cache's [B, 1, Tq, slots] mask (engines/hf_decode.static_mask): the
+            # last query's row ends at the last key written, and the slots after it, not written
+            # yet, must not be seen.
+            mask = mask[:, 0, -1]
+            end = (mask.shape[1] - mask.flip(1).argmax(dim=1)).to(torch.int32)
+        start = mask.argmax(dim=1).to(torch.int32)  # first real key; left padding ends there
+    out = tbik.attention(query, key, value, start=start, end=end, scale=scaling)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -162,6 +180,7 @@ def kernel_mode(hfm, mode: str) -> Iterator[None]:
         stack.enter_context(_attention_impl(hfm.model, ATTENTION_NAME))
         if mode == "tbik":
             stack.enter_context(_row_parallel_tree(hfm.model, hfm.tp))
+        stack.enter_context(invariant_experts(hfm.model, num_chunks=chunks, tp=hfm.tp, tree=mode == "tbik"))
         previous = hfm.log_softmax
         hfm.log_softmax = lambda x: tbik.log_softmax(x, -1)
         stack.callback(setattr, hfm, "log_softmax", previous)

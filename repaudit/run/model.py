@@ -123,5 +123,6 @@ def model_shape(ref: ModelRef, trust_remote_code: bool) -> tuple[ModelShape, int
         num_key_value_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
         intermediate_size=getattr(cfg, "intermediate_size", 0) or 0, vocab_size=cfg.vocab_size, tp_styles=styles,
         sliding_window=bool(getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True)),
+        moe_intermediate_size=getattr(cfg, "moe_intermediate_size", 0) or 0,
     )
     return shape, getattr(cfg, "max_position_embeddings", None)

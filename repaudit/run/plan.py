@@ -225,18 +225,21 @@ class ModelShape:
     vocab_size: int
     tp_styles: dict[str, str]
     sliding_window: bool = False
+    moe_intermediate_size: int = 0  # an expert's MLP width, where the config names one apart
 
 
-# TP styles the invariant kernel modes cover (see repaudit/kernelmodes.py).
+# TP styles the invariant kernel modes cover (see repaudit/kernelmodes.py). A fused experts
+# module (moe_tp_experts, its gate/up weight packed_colwise) runs repaudit/run/experts.py's forward.
 INVARIANT_STYLES = {"colwise", "colwise_rep", "colwise_gather_output", "rowwise", "rowwise_rep",
-                    "replicated_with_grad_allreduce", "embedding_rowwise"}
+                    "replicated_with_grad_allreduce", "embedding_rowwise", "packed_colwise", "moe_tp_experts"}
 
 
 def validate_against_model(plan: Plan, shape: ModelShape, visible_devices: int | None, nnodes: int = 1) -> None:
     """Checks that need the model's config and the machine: fail in a second, not after an hour."""
     for tp in sorted({c.tp for c in plan.cells}):
         for what, n in (("attention heads", shape.num_attention_heads), ("key/value heads", shape.num_key_value_heads),
-                        ("MLP width (intermediate_size)", shape.intermediate_size)):
+                        ("MLP width (intermediate_size)", shape.intermediate_size),
+                        ("expert MLP width (moe_intermediate_size)", shape.moe_intermediate_size)):
             if n % tp:
                 raise InputError(f"--tp {tp} does not divide the model's {n} {what}")
         if "hf" in plan.matrix.engines and shape.vocab_size % tp and any("gather_output" in s for s in shape.tp_styles.values()):

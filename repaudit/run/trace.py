@@ -12,6 +12,11 @@ is gathered. Whether an output is sharded comes from the model's TP plan, never 
 shard): a style that declares its output layout decides; any other module's output is a shard
 exactly when one of its inputs is (Qwen3's per-head q_norm, the MLP activation). Ranks that
 disagree on a replicated output are counted per module, a finding of their own.
+
+A mixture-of-experts layer's fused experts module is called with the router's choice
+(hidden, top_k_index, top_k_weights), whatever router made it: its pre-hook records, per real
+token, the chosen expert ids sorted ascending (the set, not the router's ranking) as the row
+`NAME:routing`, the ids' int32 bits digested like any output and kept whole for `locate`.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..record.digest import row_digest
 from ..record.tracefile import SAMPLES, SCHEMA, ModuleInfo
+from .experts import is_experts
 
 _BITS = {torch.float32: (torch.int32, 0xFFFFFFFF, "float32"), torch.bfloat16: (torch.int16, 0xFFFF, "bfloat16"),
          torch.float16: (torch.int16, 0xFFFF, "float16")}
@@ -41,6 +47,7 @@ class _Calls:
     digests: list[torch.Tensor] = field(default_factory=list)
     samples: list[torch.Tensor] = field(default_factory=list)
     keys: list[int] = field(default_factory=list)  # index into Tracer._keys, per call
+    experts: list[torch.Tensor] = field(default_factory=list)  # routing rows: sorted expert ids [rows, k]
 
 
 class Tracer:
@@ -59,10 +66,15 @@ class Tracer:
         # unique while it lives on, so freed memory handed to a new tensor is never taken for a shard.
         self._shards: set[StorageWeakRef] = set()
         self.handles = []
+        experts = [name for name, module in model.named_modules() if is_experts(module)]
         for name, module in model.named_modules():
             if not name or "rotary" in name or module is model.get_output_embeddings():
                 continue
+            if any(name.startswith(e + ".") for e in experts):
+                continue  # inside the experts, rows are (token, slot) pairs grouped by expert: no token's row
             self.handles.append(module.register_forward_hook(self._hook(name), with_kwargs=True))
+            if name in experts:
+                self.handles.append(module.register_forward_pre_hook(self._routing_hook(name), with_kwargs=True))
             if self.styles.get(name, "").startswith("rowwise"):
                 # A row-parallel layer's input is the attention output / MLP activation: no module makes it.
                 self.handles.append(module.register_forward_pre_hook(self._pre_hook(f"{name}:input")))
@@ -94,18 +106,36 @@ class Tracer:
                 self._record(name, args[0], [args[0]])
         return hook
 
-    def _record(self, name: str, out: Any, inputs: list[Any]) -> None:
+    def _routing_hook(self, name: str):
+        def hook(module, args, kwargs):
+            ids = args[1] if len(args) > 1 else kwargs.get("top_k_index")
+            if self._ctx is None or not isinstance(ids, torch.Tensor) or ids.is_floating_point():
+                return
+            if hasattr(ids, "to_local"):
+                ids = ids.to_local()
+            ids = ids[:, None] if ids.dim() == 1 else ids  # top-1 routers may hand over [tokens]
+            chosen = ids.reshape(-1, ids.shape[-1]).sort(dim=-1).values.to(torch.int32)  # [tokens, k]
+            # The ids' bits go through the float digest path unchanged (a view, no arithmetic).
+            calls = self._record(f"{name}:routing", chosen.view(torch.float32), [], routing=True)
+            if calls is not None:
+                calls.experts.append(chosen[self._ctx[1]])
+        return hook
+
+    def _record(self, name: str, out: Any, inputs: list[Any], routing: bool = False) -> _Calls | None:
         if self._ctx is None or not isinstance(out, torch.Tensor) or out.dtype not in _BITS:
-            return
+            return None
         (batch, length), rows = self._ctx
-        if out.dim() < 3 or tuple(out.shape[:2]) != (batch, length):
-            return
+        # [batch, length, ...] or, as MoE layers flatten them, [batch * length, features]
+        per_token = (out.dim() >= 3 and tuple(out.shape[:2]) == (batch, length)) or \
+            (out.dim() == 2 and out.shape[0] == batch * length)
+        if not per_token:
+            return None
         if hasattr(out, "to_local"):
             out = out.to_local()
         whole = out.reshape(batch * length, -1)
         calls = self.calls.get(name)
         if calls is None:
-            calls = self.calls[name] = _Calls(self._classify(name, whole, inputs))
+            calls = self.calls[name] = _Calls(self._classify(name, whole, inputs, routing))
         info = calls.info
         if info.sharded:
             self._shards.add(StorageWeakRef(out.untyped_storage()))
@@ -128,10 +158,14 @@ class Tracer:
         calls.digests.append(digests)
         calls.samples.append(samples)
         calls.keys.append(len(self._keys) - 1)
+        return calls
 
-    def _classify(self, name: str, flat: torch.Tensor, inputs: list[Any]) -> ModuleInfo:
+    def _classify(self, name: str, flat: torch.Tensor, inputs: list[Any], routing: bool = False) -> ModuleInfo:
         base, _, port = name.partition(":")
         style = self.styles.get(base)
+        if routing:  # the router's choice: the same on every rank by construction of TP, never a shard
+            return ModuleInfo(name=name, order=len(self.calls), dtype="int32", features=flat.shape[1],
+                              sharded=False, style=style, routing=True)
         sharded = self.tp > 1 and _sharded(style, port == "input", lambda: any(self._is_shard(t) for t in inputs))
         return ModuleInfo(name=name, order=len(self.calls), dtype=_BITS[flat.dtype][2],
                           features=flat.shape[1] * (self.tp if sharded else 1), sharded=sharded, style=style)
@@ -165,6 +199,7 @@ class Tracer:
         if self.rank != 0 or not names:
             return None
         columns: dict[str, list] = {k: [] for k in ("prompt_id", "pos", "module", "order", "digest", "sample")}
+        experts: list[np.ndarray | None] = []  # per module: its rows' sorted expert ids, routing rows only
         for n in names:
             c = self.calls[n]
             pids, pos = self._rows_of(c)
@@ -174,6 +209,7 @@ class Tracer:
             columns["order"].append(np.full(len(pos), c.info.order, dtype=np.int32))
             columns["digest"].append(torch.cat(c.digests).cpu().numpy().view(np.uint64))
             columns["sample"].append(torch.cat(c.samples).cpu().numpy().astype(np.uint32))
+            experts.append(torch.cat(c.experts).cpu().numpy() if c.info.routing else None)
         cat = {k: np.concatenate(v) for k, v in columns.items()}
         order = np.lexsort((cat["order"], cat["pos"], cat["prompt_id"].astype(str)))
         keep = _first_of_each(cat["prompt_id"][order], cat["pos"][order], cat["order"][order])
@@ -186,6 +222,7 @@ class Tracer:
             pa.array(cat["order"][sel]),
             pa.array(cat["digest"][sel]),
             pa.FixedSizeListArray.from_arrays(pa.array(samples.reshape(-1)), SAMPLES),
+            _experts_column([len(p) for p in columns["pos"]], experts, sel),
         ], schema=SCHEMA)
         return table, [self.calls[n].info for n in names]
 
@@ -211,6 +248,22 @@ class Tracer:
                 pids, pos = self._rows_of(self.calls[n])
                 first = int(np.argmax(rows))
                 info.first_disagreement = {"prompt_id": str(pids[first]), "pos": int(pos[first])}
+
+
+def _experts_column(row_counts: list[int], ids: list[np.ndarray | None], sel: np.ndarray) -> pa.Array:
+    """The trace's `experts` column in row order `sel`: each routing row's sorted ids, null on
+    every other row. Per module, in the order its rows were concatenated: its row count and its
+    ids [rows, k] (None for a module that is not a router's choice)."""
+    width = np.concatenate([np.full(n, -1 if e is None else e.shape[1], dtype=np.int64)
+                            for n, e in zip(row_counts, ids)] or [np.zeros(0, np.int64)])
+    values = np.concatenate([e.reshape(-1) for e in ids if e is not None] or [np.zeros(0)]).astype(np.int32)
+    length = np.maximum(width, 0)
+    start = np.cumsum(length) - length  # where each row's ids begin in `values`
+    w = length[sel]
+    offsets = np.concatenate(([0], np.cumsum(w))).astype(np.int32)
+    gather = np.repeat(start[sel] - offsets[:-1], w) + np.arange(offsets[-1])
+    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values[gather], type=pa.int32()),
+                                    mask=pa.array(width[sel] < 0))
 
 
 def _first_of_each(pid: np.ndarray, pos: np.ndarray, order: np.ndarray) -> np.ndarray:

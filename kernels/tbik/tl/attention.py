@@ -52,9 +52,9 @@ def _update(q, k, v, offs_n, in_range, kb, q_pos, m_i, l_i, acc, qk_scale, PRECI
 
 @triton.jit
 def _attention_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, start_ptr,
+    q_ptr, k_ptr, v_ptr, o_ptr, start_ptr, end_ptr,
     sq_b, sq_h, sq_t, sq_d, sk_b, sk_h, sk_s, sk_d, sv_b, sv_h, sv_s, sv_d, so_b, so_h, so_t, so_d,
-    Hq, Tq, S, group, qk_scale,
+    Hq, Tq, group, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
@@ -64,6 +64,7 @@ def _attention_kernel(
     h = pid_bh % Hq
     hk = h // group
     start = tl.load(start_ptr + b).to(tl.int32)
+    S = tl.load(end_ptr + b).to(tl.int32)  # keys present; slots past them are never read
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -152,16 +153,17 @@ def _meta(q: torch.Tensor, dim: int) -> dict:
                 PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4, num_stages=2)
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: torch.Tensor, scale: float) -> torch.Tensor:
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: torch.Tensor, end: torch.Tensor,
+              scale: float) -> torch.Tensor:
     bsz, hq, tq, dim = q.shape
-    hkv, s_len = k.shape[1], k.shape[2]
+    hkv = k.shape[1]
     out = torch.empty((bsz, hq, tq, dim), dtype=q.dtype, device=q.device)
     if out.numel() == 0:
         return out
     grid = (triton.cdiv(tq, _BLOCK_M), bsz * hq)
     meta = _meta(q, dim)
-    args = (q, k, v, out, start.to(device=q.device).contiguous(), *q.stride(), *k.stride(), *v.stride(),
-            *out.stride(), hq, tq, s_len, hq // hkv, float(scale * _LOG2E))
+    args = (q, k, v, out, start.to(device=q.device).contiguous(), end.to(device=q.device).contiguous(), *q.stride(),
+            *k.stride(), *v.stride(), *out.stride(), hq, tq, hq // hkv, float(scale * _LOG2E))
     _launch(grid, args, meta)
     return out
 

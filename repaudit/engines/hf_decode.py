@@ -1,0 +1,129 @@
+"""The transformers engine's decode steps over a static KV cache, replayed from a CUDA graph.
+
+Why: an eager decode step of a transformers model is hundreds of small kernel launches issued
+from Python, and at decode sizes the GPU spends most of the step waiting for them. A CUDA graph
+replays the same kernels with one launch; it needs fixed shapes and addresses, hence
+transformers' StaticCache (prompt + new tokens slots) and the step's inputs in fixed buffers.
+
+Bits:
+- A replay runs the kernels the eager step launches, on the same buffers: graphed and eager
+  steps give the same bits (benchmarks/gpu_decode.sh checks it on the GPU for every mode).
+- The masks are made outside the graph by the model's own mask function each step and copied
+  into the graph's buffers, so a step sees the mask transformers would build for it.
+- What the static cache changes is the attention's key count: the cache has all its slots from
+  the start, masked past the current position. tbik's attention (bi and tbik modes) stops at
+  the last written key, so those records are the dynamic cache's bit for bit; stock SDPA sums
+  over the whole masked cache, so stock records are model.generate(cache_implementation="static")'s,
+  which are not "dynamic"'s.
+
+Used where it is known to hold: CUDA, one rank (transformers' TP hooks are not captured), and a
+family whose layers are all full attention from STATIC_FAMILIES. Anything else decodes eagerly
+with a dynamic cache, as before.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+# Families whose static-cache decode tests/test_hf_decode.py checks on the CPU against the
+# dynamic cache (bi, tbik) and against the model's own static-cache forward (stock).
+STATIC_FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3", "qwen3_moe"})
+
+
+def static_supported(model: torch.nn.Module) -> bool:
+    cfg = model.config.get_text_config()
+    layer_types = set(getattr(cfg, "layer_types", None) or ["full_attention"])
+    # step_mask hands the attention a 4-D mask: flash-attention-2 would take it for a 2-D one.
+    return (cfg.model_type in STATIC_FAMILIES and layer_types == {"full_attention"}
+            and cfg._attn_implementation in ("sdpa", "eager"))
+
+
+def new_cache(model: torch.nn.Module, slots: int) -> Any:
+    from transformers import StaticCache
+
+    return StaticCache(config=model.config, max_cache_len=slots)
+
+
+@dataclass
+class GraphedStep:
+    """One decode step of a batch, its base-model forward captured once and replayed.
+
+    `forward(ids, mask, positions)` must be the eager step (the base model's forward on the
+    static cache, returning the last position's hidden states); the graph records exactly it.
+    """
+
+    forward: Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor], torch.Tensor]
+    cache: Any
+    inputs: tuple[torch.Tensor, ...] = ()  # ids, mask, positions: the graph's fixed buffers
+    hidden: torch.Tensor | None = None
+    graph: Any = None
+    failed: str | None = None  # why the capture was refused; the steps then run eagerly
+
+    def __call__(self, ids: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor) -> torch.Tensor:
+        if self.failed is not None or mask is None:  # a graph's inputs are fixed tensors
+            return self.forward(ids, mask, positions)
+        if self.graph is None:
+            return self._capture(ids, mask, positions)
+        for buf, x in zip(self.inputs, (ids, mask, positions)):
+            if buf.shape != x.shape or buf.dtype != x.dtype:
+                raise RuntimeError(f"a decode step's input changed from {tuple(buf.shape)} {buf.dtype} to "
+                                   f"{tuple(x.shape)} {x.dtype} after the graph was captured")
+            buf.copy_(x)
+        self.graph.replay()
+        return self.hidden
+
+    def _capture(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        self.inputs = (ids.clone(), mask.clone(), positions.clone())
+        lengths = _cache_lengths(self.cache)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            # Warm-up on the capture's stream: Triton compiles and cuBLAS sets up here, not
+            # inside the capture. It writes this step's cache slot, which the replay rewrites.
+            self.forward(*self.inputs)
+        torch.cuda.current_stream().wait_stream(stream)
+        _set_cache_lengths(self.cache, lengths)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph):
+                self.hidden = self.forward(*self.inputs)
+        except RuntimeError as exc:  # a host sync or an unsupported op inside the step
+            self.failed = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            torch.cuda.synchronize()
+            _set_cache_lengths(self.cache, lengths)
+            return self.forward(ids, mask, positions)
+        self.graph = graph
+        graph.replay()
+        return self.hidden
+
+
+def _cache_lengths(cache: Any) -> list[torch.Tensor]:
+    return [layer.cumulative_length.clone() for layer in cache.layers]
+
+
+def _set_cache_lengths(cache: Any, lengths: list[torch.Tensor]) -> None:
+    for layer, n in zip(cache.layers, lengths):
+        layer.cumulative_length.copy_(n)
+
+
+def static_mask(model: torch.nn.Module, mask2d: torch.Tensor, cache: Any, queries: int) -> torch.Tensor | None:
+    """The 4-D mask the base model would build for the next `queries` tokens over the static
+    cache, given the 2-D padding mask over every slot (1 where a real token's key is or goes).
+    The base model takes a 4-D mask as it is, so the forward does no mask work of its own (a
+    graph could not replay the host checks some mask functions make). Made eagerly, outside
+    any graph, by the model's own mask function; a 2-D answer (flash-style functions,
+    repaudit's tbik attention) becomes [B, 1, 1, slots]: the last query's row, from which
+    tbik's attention reads where the written keys end. None where the model's own function
+    answers None (no mask: sdpa's is_causal, or every slot holds a real key)."""
+    from transformers.masking_utils import create_causal_mask
+
+    dtype = next(model.parameters()).dtype
+    probe = torch.empty((mask2d.shape[0], queries, 1), dtype=dtype, device=mask2d.device)
+    mask = create_causal_mask(config=model.base_model.config, inputs_embeds=probe, attention_mask=mask2d,
+                              past_key_values=cache, position_ids=None)
+    if mask is None:  # the causal mask alone (sdpa's is_causal), or every slot is a real key
+        return None
+    return mask[:, None, None, :] if mask.dim() == 2 else mask

@@ -1,0 +1,115 @@
+"""The transformers engine's decode paths (engines/hf_decode.py) change no bit they promise to keep.
+
+CPU: the static cache's eager steps against the dynamic cache, in the bi and tbik modes, over a
+left-padded batch whose sequences end at different steps (their records must be the dynamic
+cache's bit for bit: tbik's attention stops at the last written key); a decode="graphs" model
+off CUDA runs the eager static steps. tbik.attention's `end` (what keeps those bits) is tested
+in test_tbik_ops.py; the stock static path against the model's own static-cache forward in
+test_conformance.py.
+
+GPU (marked, skipped on CPU): CUDA-graph replays against the eager static steps, every kernel
+mode, bit for bit; run by benchmarks/gpu_decode.sh.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from repaudit import builtin
+from repaudit.engines import hf, hf_decode
+from repaudit.engines.base import Sequence
+from repaudit.run.kernelmodes import kernel_mode
+
+
+def _batch(seed: int = 0, new: int = 6) -> list[Sequence]:
+    g = np.random.default_rng(seed)
+    # Uneven prompts (left padding) and uneven limits (rows finish at different steps).
+    return [Sequence(f"p{i}", tuple(g.integers(3, 300, n).tolist()), None, new - (i % 3))
+            for i, n in enumerate([9, 3, 5, 1, 7])]
+
+
+def _bits_equal(a, b) -> bool:
+    return (np.array_equal(a.token_id, b.token_id) and np.array_equal(a.pos, b.pos)
+            and np.array_equal(a.logprob.view(np.uint32), b.logprob.view(np.uint32))
+            and np.array_equal(a.digest, b.digest) and np.array_equal(a.top1, b.top1)
+            and np.array_equal(a.topk_ids, b.topk_ids)
+            and np.array_equal(a.topk_logprobs.view(np.uint32), b.topk_logprobs.view(np.uint32)))
+
+
+def _generate(hfm, decode: str, batch, mode: str):
+    hfm.decode = decode
+    with kernel_mode(hfm, mode):
+        rows, _ = hf.generate(hfm, batch, topk=3)
+    return rows
+
+
+@pytest.fixture(scope="module", params=["tiny-qwen3", "tiny-llama"])
+def tiny(request):
+    path = builtin.ensure(f"builtin:{request.param}")
+    return hf.load(str(path), dtype="float32", device="cpu", tp=1, eos_id=None, pad_id=0)
+
+
+@pytest.mark.parametrize("mode", ["bi", "tbik"])
+def test_static_cache_records_are_the_dynamic_caches_bit_for_bit(tiny, mode):
+    batch = _batch()
+    dynamic = _generate(tiny, "dynamic", batch, mode)
+    static = _generate(tiny, "static", batch, mode)
+    assert [len(r.pos) for r in static] == [s.max_new_tokens for s in batch]
+    for d, s in zip(dynamic, static):
+        assert _bits_equal(d, s), f"{mode}: {s.prompt_id} differs between the static and the dynamic cache"
+
+
+def test_stock_static_cache_moves_bits_that_tbik_keeps(tiny):
+    """Why the modes differ above: stock SDPA sums over every slot of the static cache (masked),
+    so its bits are not the dynamic cache's; the test would pass vacuously if they were."""
+    batch = _batch()
+    dynamic = _generate(tiny, "dynamic", batch, "stock")
+    static = _generate(tiny, "static", batch, "stock")
+    assert not all(_bits_equal(d, s) for d, s in zip(dynamic, static))
+
+
+def test_load_picks_the_dynamic_cache_on_cpu(tiny):
+    fresh = hf.load(str(tiny.model.name_or_path), dtype="float32", device="cpu", tp=1, eos_id=None, pad_id=0)
+    assert fresh.decode == "dynamic"
+    assert hf_decode.static_supported(fresh.model)
+
+
+def test_unknown_decode_is_refused(tiny):
+    tiny.decode = "paged"
+    try:
+        with pytest.raises(ValueError, match="unknown decode 'paged'"):
+            hf.generate(tiny, _batch(), topk=0)
+    finally:
+        tiny.decode = "dynamic"
+
+
+def test_graphs_fall_back_to_eager_static_steps_off_cuda(tiny):
+    """decode="graphs" on the CPU (or under a tracer) runs the static cache's eager steps: the
+    same records, bit for bit."""
+    batch = _batch(seed=3)
+    static = _generate(tiny, "static", batch, "tbik")
+    graphs = _generate(tiny, "graphs", batch, "tbik")
+    assert all(_bits_equal(a, b) for a, b in zip(static, graphs))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("mode", ["stock", "bi", "tbik"])
+def test_graph_replays_are_the_eager_static_steps_bit_for_bit(mode):
+    path = builtin.ensure("builtin:qwen3-0.6b")
+    hfm = hf.load(str(path), dtype="bfloat16", device="cuda", tp=1, eos_id=None, pad_id=0)
+    assert hfm.decode == "graphs"
+    batch = _batch(new=12)
+    eager = _generate(hfm, "static", batch, mode)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a refused capture falls back to eager steps with a warning
+        graphs = _generate(hfm, "graphs", batch, mode)
+    for a, b in zip(eager, graphs):
+        assert _bits_equal(a, b), f"{mode}: {a.prompt_id} differs between graph replays and eager steps"
+    if mode != "stock":
+        dynamic = _generate(hfm, "dynamic", batch, mode)
+        assert all(_bits_equal(a, b) for a, b in zip(dynamic, graphs)), f"{mode}: graphs differ from the dynamic cache"
