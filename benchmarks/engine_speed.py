@@ -33,13 +33,25 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 
-def _prompts(model_id: str, new: int):
+def _prompts(model_id: str, new: int, random: int):
+    """The default suite's prompts, or (random > 0) that many random-token prompts of 64-512
+    tokens drawn as benchmarks/vllm_speed.py draws them: vLLM's workload, for a comparison."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
     from repaudit.probes import load_suite
     from repaudit.run.model import load_tokenizer, resolve_model, tokenize
 
     ref = resolve_model(model_id)
     tok = load_tokenizer(ref, False)
-    specs = tokenize(load_suite("default"), tok, new, None)
+    if random:
+        rng = np.random.default_rng(0)
+        vocab = len(tok)
+        specs = [SimpleNamespace(id=f"r{i}", tokens=rng.integers(10, vocab - 10, size=int(rng.integers(64, 513))).tolist())
+                 for i in range(random)]
+    else:
+        specs = tokenize(load_suite("default"), tok, new, None)
     return ref, tok, specs
 
 
@@ -104,6 +116,8 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=16)
     ap.add_argument("--topk", type=int, default=5)
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--random", type=int, default=0, help="this many random prompts of 64-512 tokens instead of the suite")
+    ap.add_argument("--no-baseline", action="store_true", help="time repaudit's engine only (rows without a ratio)")
     ap.add_argument("--json")
     ap.add_argument("--profile")
     args = ap.parse_args()
@@ -116,7 +130,7 @@ def main() -> None:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         dist.init_process_group("nccl")
     rank = dist.get_rank() if dist.is_initialized() else 0
-    ref, tok, specs = _prompts(args.model, args.new)
+    ref, tok, specs = _prompts(args.model, args.new, args.random)
     on_gpu = torch.cuda.is_available()
     hfm = hf.load(str(ref.path), dtype="bfloat16" if on_gpu else "float32", device="cuda" if on_gpu else "cpu",
                   tp=args.tp, eos_id=None, pad_id=tok.pad_token_id)
@@ -125,7 +139,10 @@ def main() -> None:
     seqs["score"] = [Sequence(p.id, tuple(p.tokens), tuple(p.tokens[:args.new]), 0) for p in specs]
     batches = [int(b) for b in args.batch.split(",")]
     device = torch.cuda.get_device_name() if on_gpu else "CPU (a check of the script, not a measurement)"
-    rows = []
+    rows: list[dict] = []
+    others = []  # the file's rows of other machines and TP sizes
+    if args.json and Path(args.json).exists():
+        others = [r for r in json.loads(Path(args.json).read_text()) if (r.get("device"), r.get("tp")) != (device, args.tp)]
     for kernels in args.kernels.split(","):
         with kernel_mode(hfm, kernels):
             for mode in args.mode.split(","):
@@ -141,30 +158,40 @@ def main() -> None:
                                            for c in chunks)
                         mine = lambda: sum(sum(int((r.pos >= r.prompt_len).sum()) for r in hf.generate(hfm, c, args.topk)[0])  # noqa: E731
                                            for c in chunks)
-                    _timed(base), _timed(mine)  # warm-up: kernels' autotuning, allocator, graph capture
+                    if args.no_baseline:
+                        base = None
                     b_runs, m_runs = [], []
-                    for _ in range(args.runs):
-                        b_runs.append(_timed(base))
-                        m_runs.append(_timed(mine))
+                    for i in range(args.runs + 1):  # the first is a warm-up: autotuning, allocator, graph capture
+                        b_run = _timed(base) if base else None
+                        m_run = _timed(mine)
+                        if i:
+                            b_runs.append(b_run)
+                            m_runs.append(m_run)
                     tok_s = lambda runs: statistics.median(n / s for s, n in runs)  # noqa: E731
                     row = {"device": device, "engine": "hf", "kernels": kernels, "mode": mode, "tp": args.tp, "batch": bs,
-                           "repaudit_tok_s": tok_s(m_runs), "baseline_tok_s": tok_s(b_runs),
+                           "workload": f"random:{args.random}x64-512" if args.random else "suite:default",
+                           "new_tokens": args.new if mode == "generate" else None,
+                           "repaudit_tok_s": tok_s(m_runs), "baseline_tok_s": tok_s(b_runs) if base else None,
                            "decode": hfm.decode if mode == "generate" else None}
-                    row["ratio"] = row["repaudit_tok_s"] / row["baseline_tok_s"]
+                    row["ratio"] = row["repaudit_tok_s"] / row["baseline_tok_s"] if base else None
                     row["command"] = " ".join(["benchmarks/engine_speed.py", *sys.argv[1:]])
                     rows.append(row)
                     if rank == 0:
                         print(json.dumps(row), flush=True)
+                        if args.json:  # after every row: a run cut short keeps what it measured
+                            _write(Path(args.json), others + rows)
                     if args.profile and bs == batches[len(batches) // 2]:  # every rank: the forwards are collectives
                         _profile(args.profile if rank == 0 else None, f"{mode}-{kernels}-tp{args.tp}-bs{bs}", base, mine)
-    if rank == 0 and args.json:
-        path = Path(args.json)
-        old = json.loads(path.read_text()) if path.exists() else []
-        keep = [r for r in old if not (r.get("device") == device and r.get("tp") == args.tp)]
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(keep + rows, indent=1))
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def _write(path: Path, rows: list[dict]) -> None:
+    """Replaced whole through a temporary file: complete or absent."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(rows, indent=1))
+    tmp.replace(path)
 
 
 def _profile(out_dir: str | None, name: str, base, mine) -> None:

@@ -23,7 +23,7 @@ def test_every_measured_row_reaches_the_table_with_its_ratio_and_command():
     for r in measured:
         # The row's own ratio, then the ratios derived from it: against vLLM with the same
         # logprobs, and against stock's plain tokens/s (the cell's, and plain generation's).
-        ratios = [r["ratio"]]
+        ratios = [r["ratio"]] if r.get("ratio") is not None else []
         if "plain_logprobs_tok_s" in r:
             ratios.append(r["repaudit_tok_s"] / r["plain_logprobs_tok_s"])
         ratios += [r[k] for k in ("ratio_vs_stock", "plain_ratio_vs_stock") if k in r]
@@ -31,4 +31,13 @@ def test_every_measured_row_reaches_the_table_with_its_ratio_and_command():
             assert any(row[2].startswith(f"{ratio:.2f}x") and row[3] == r["device"] and row[4] == r["command"]
                        for row in rows), (ratio, r["command"])
         expected += len(ratios)
+    # The engine at batch 32 on vLLM's workload against plain stock vLLM on the same GPU and TP.
+    engine = json.loads(files[0].read_text())
+    vllm = {(v["device"].split("x ", 1)[-1], v["tp"]): v for v in json.loads(files[1].read_text()) if v["kernels"] == "stock"}
+    for r in engine:
+        v = vllm.get((r["device"], r["tp"]))
+        if v and r["mode"] == "generate" and r["batch"] == 32 and r.get("workload", "").startswith("random"):
+            ratio = r["repaudit_tok_s"] / v["plain_tok_s"]
+            assert any(row[2].startswith(f"{ratio:.3f}x") and row[4] == f"{r['command']}; {v['command']}" for row in rows)
+            expected += 1
     assert len(rows) == expected

@@ -32,6 +32,8 @@ from typing import Callable, Iterator
 
 import torch
 
+from .forwards import replaced_forwards
+
 
 def is_experts(module: torch.nn.Module) -> bool:
     """A fused experts module: 3-D expert weights, called as (hidden, top_k_index, top_k_weights)."""
@@ -110,16 +112,6 @@ def invariant_experts(model: torch.nn.Module, *, num_chunks: int, tp: int, tree:
         import torch.distributed as dist
 
         group = dist.group.WORLD
-    replaced = []
-    for _, module in model.named_modules():
-        if is_experts(module):
-            replaced.append((module, module.__dict__.get("forward")))
-            module.forward = invariant_forward(module, num_chunks=num_chunks, tp=tp, tree=tree, group=group)
-    try:
-        yield len(replaced)
-    finally:
-        for module, original in replaced:
-            if original is None:
-                del module.forward
-            else:
-                module.forward = original
+    with replaced_forwards([(module, invariant_forward(module, num_chunks=num_chunks, tp=tp, tree=tree, group=group))
+                            for module in model.modules() if is_experts(module)]) as n:
+        yield n

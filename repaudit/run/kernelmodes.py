@@ -24,6 +24,7 @@ from typing import Iterator
 import torch
 
 from .experts import invariant_experts, is_experts, unsupported_reason
+from .forwards import replaced_forwards
 
 # TP styles whose forward tbik can take over or leave alone without changing invariance.
 _COLUMN = {"colwise", "colwise_rep", "colwise_gather_output", "packed_colwise"}  # K whole: the aten override covers them
@@ -133,20 +134,9 @@ def _row_parallel_tree(model: torch.nn.Module, tp: int) -> Iterator[None]:
         return
     import torch.distributed as dist
 
-    replaced = []
-    for name, style in tp_styles(model).items():
-        if style in _ROW:
-            module = model.get_submodule(name)
-            replaced.append((module, module.__dict__.get("forward")))
-            module.forward = _row_parallel_forward(module, dist.group.WORLD, tp)
-    try:
+    rows = [model.get_submodule(name) for name, style in tp_styles(model).items() if style in _ROW]
+    with replaced_forwards([(m, _row_parallel_forward(m, dist.group.WORLD, tp)) for m in rows]):
         yield
-    finally:
-        for module, original in replaced:
-            if original is None:
-                del module.forward
-            else:
-                module.forward = original
 
 
 @contextmanager
