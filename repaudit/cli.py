@@ -115,6 +115,8 @@ def run(
     nccl_set: list[str] = typer.Option([], "--nccl-set", help="define a preset: NAME:NCCL_VAR=VALUE[,NCCL_VAR=VALUE]"),
     kernels: str = typer.Option("stock,tbik", "--kernels", help="kernel modes: stock, bi, tbik"),
     mode: str = typer.Option("generate,score", "--mode", help="generate (greedy) and/or score (teacher forcing)"),
+    scenario: str = typer.Option("cold", "--scenario", help="vLLM cells: cold, prefix-hit, chunked-prefill:N, eager, "
+                                 "fp8-kv, spec-ngram (each compared with its cold twin; docs/vllm.md)"),
     probes: str = typer.Option("smoke", "--probes", help="probe suite name (smoke, default, chat) or path to a .jsonl"),
     max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", help="override every prompt's generation length"),
     dtype: str = typer.Option("auto", "--dtype", help="auto (fp32 on CPU, bf16 on GPU), float32, bfloat16, float16"),
@@ -157,6 +159,7 @@ def run(
         nccl=nccl_presets.resolve(names, custom), kernels=_csv(kernels, "--kernels"), modes=_csv(mode, "--mode"),
         dtype=dtype, device=device, probes=probes, max_new_tokens=max_new_tokens, topk=topk, baseline=baseline,
         reference_per=_csv(reference_per, "--reference-per"), trace=trace, vllm_args=_key_values(vllm_arg, "--vllm-arg"),
+        scenarios=_csv(scenario, "--scenario"),
     )
     opts = RunOptions(
         out=out, cell_timeout=timeout, load_timeout=load_timeout, cpu_threads=cpu_threads,

@@ -194,6 +194,26 @@ def test_real_vllm_generate_and_score_on_a_gpu():
     assert [a.token_id[a.pos >= a.prompt_len].tolist() for a in again] == [r.token_id.tolist() for r in rows]
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAVE_VLLM or not os.environ.get("REPAUDIT_VLLM_MODEL"),
+                    reason="needs vllm, a GPU and REPAUDIT_VLLM_MODEL (a local model directory)")
+def test_prefix_hit_serves_the_measured_prompt_from_vllms_prefix_cache():
+    """The prefix-hit scenario's warm-up leaves the prompt's full KV blocks in vLLM's cache."""
+    from vllm import SamplingParams
+
+    from repaudit.engines.base import Sequence
+
+    llm = vllm_engine.load(vllm_engine.engine_args(
+        model_path=os.environ["REPAUDIT_VLLM_MODEL"], tp=1, dtype="bfloat16", batch_size=2, max_len=128, topk=3,
+        scenario="prefix-hit", extra={"gpu_memory_utilization": 0.3, "enforce_eager": True}))  # eager: a quick load
+    prompt = list(range(1, 41))
+    params = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False)
+    (cold,) = llm.generate([{"prompt_token_ids": [p + 100 for p in prompt]}], params, use_tqdm=False)
+    vllm_engine.warm_prefixes(llm, [Sequence("a", tuple(prompt), None, 4)])
+    (hit,) = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+    assert cold.num_cached_tokens == 0 and hit.num_cached_tokens >= 16  # at least one full block of 16
+
+
 def test_vllm_engine_arguments_are_part_of_a_vllm_cells_settings_only():
     """A resumed run must not reuse a vLLM cell made with other engine arguments (they can move bits)."""
     from pathlib import Path

@@ -2,7 +2,9 @@
 a verdict per pair, an exit code, and optionally JUnit XML.
 
 A pair fails when its diff is beyond the thresholds, when either cell did not complete, or
-when a record is missing or unreadable; the reason says which. The run directory form never
+when a record is missing or unreadable; the reason says which. A combination the plan refused
+(a scenario that cannot give a meaningful cell, run.scenarios.REFUSED) is no pair: it is
+listed as refused, with why, and neither passes nor fails. The run directory form never
 stops at the first bad cell: every pair gets its verdict, so a CI page lists them all.
 """
 
@@ -16,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from ..errors import InputError
@@ -99,6 +102,7 @@ class GateResult:
     thresholds: Thresholds
     properties: dict[str, str] = field(default_factory=dict)
     references: list[PairOutcome] = field(default_factory=list)  # reference cells that did not complete
+    refused: list[tuple[str, str]] = field(default_factory=list)  # (cell, why) of combinations never run
 
     @property
     def failures(self) -> list[PairOutcome]:
@@ -182,7 +186,8 @@ def gate_run(run: RunInfo, thresholds: Thresholds) -> GateResult:
         "model": str(m.model.get("id")), "command": shlex.join(m.command),
         "thresholds": json.dumps(_thresholds_dict(thresholds), sort_keys=True),
     }
-    return GateResult(run.name, pairs, thresholds, props, refs)
+    refused = [(cell.id, reason) for cell, reason in run.plan.refused]
+    return GateResult(run.name, pairs, thresholds, props, refs, refused)
 
 
 def gate_files(a: Path, b: Path, thresholds: Thresholds, allow_partial: bool = False) -> GateResult:
@@ -282,6 +287,8 @@ def print_gate(g: GateResult, console: Console | None = None) -> None:
     console.print(t)
     for p in g.failures:
         console.print(f"[red]FAIL[/] {p.name}: " + "; ".join(p.reasons), soft_wrap=True)
+    for cell, reason in g.refused:
+        console.print(f"[yellow]refused, not run:[/] {cell}: {escape(reason)}", soft_wrap=True)
     n = len(g.all_cases)
     if not n:
         console.print("[yellow]GATE PASSED: nothing to compare[/] (every cell is its own reference)")

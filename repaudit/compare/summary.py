@@ -7,10 +7,12 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from ..files import write_json_atomic, write_text_atomic
-from ..run.plan import CELL_SETTINGS, Plan, reference_delta, reference_pairs
+from ..run.plan import CELL_SETTINGS, Cell, Plan, reference_delta, reference_pairs
+from ..run.scenarios import COLD
 from ..run.rundir import Manifest
 from .gate import RunInfo, gate_run
 from .render import pct
@@ -33,12 +35,9 @@ def summarize(plan: Plan, run_dir: Path, manifest: Manifest, thresholds: Thresho
     rows = []
     for cell, reference in reference_pairs(plan):
         entry = manifest.data.cells.get(cell.id, {})
-        row: dict[str, Any] = {
-            "cell": cell.id, "settings": {k: getattr(cell, k) for k in CELL_SETTINGS}, "reference": reference.id,
-            "reference_delta": reference_delta(cell, reference), "status": entry.get("status"), "reason": entry.get("reason"),
-            "seconds": entry.get("seconds"), "tokens_per_s": tokens_per_s(entry.get("timing"), cell.mode),
-            "timing": entry.get("timing"), "ranks_differ": entry.get("ranks_differ"),
-        }
+        row = _row(cell, reference, entry.get("status"), entry.get("reason"))
+        row.update({"seconds": entry.get("seconds"), "tokens_per_s": tokens_per_s(entry.get("timing"), cell.mode),
+                    "timing": entry.get("timing"), "ranks_differ": entry.get("ranks_differ")})
         p = outcome.get(cell.id)
         if p is not None:
             row.update({"passed": p.passed, "identical": p.failure is None and p.result is not None and p.result.identical,
@@ -58,6 +57,8 @@ def summarize(plan: Plan, run_dir: Path, manifest: Manifest, thresholds: Thresho
                 "seq_token_matches": sum(d.token_match for d in r.shared_prompts),
             })
         rows.append(row)
+    # Combinations the plan refused (scenarios.REFUSED): rows that say so and why, never compared.
+    rows += [_row(cell, plan.reference_for(cell), "refused", reason) for cell, reason in plan.refused]
     compared = [r for r in rows if r["cell"] in outcome]
     loads = {g: v.get("load_s", []) for g, v in manifest.data.groups.items()}
     return {
@@ -68,41 +69,72 @@ def summarize(plan: Plan, run_dir: Path, manifest: Manifest, thresholds: Thresho
         "passed": gate.passed,
         "identical_cells": sum(1 for r in compared if r["identical"]),
         "compared_cells": len(compared),
+        "refused_cells": len(plan.refused),
         "wall_s": manifest.data.wall_s,
         "sum_cell_s": sum(r["seconds"] or 0 for r in rows),
         "load_s": loads,
     }
 
 
+def _row(cell: Cell, reference: Cell, status: str | None, reason: str | None) -> dict[str, Any]:
+    return {"cell": cell.id, "settings": {k: getattr(cell, k) for k in CELL_SETTINGS}, "reference": reference.id,
+            "reference_delta": reference_delta(cell, reference), "status": status, "reason": reason,
+            "seconds": None, "tokens_per_s": None, "timing": None, "ranks_differ": None}
+
+
+def _scenario(r: dict[str, Any]) -> str:
+    return r["settings"].get("scenario") or COLD  # rows made before scenarios existed: cold
+
+
 def price_list(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """What each kernel mode costs and what it buys, from the same run: per mode, the cells kept
-    bitwise identical to their reference, and its tokens/s against stock's, the geometric mean of
-    cell / stock cell over the cells whose every other setting (engine, TP, batch, NCCL, mode) has
-    a stock cell too. `speed_vs_stock` is None where the run has no such pair."""
-    key = lambda r: tuple(sorted((k, str(v)) for k, v in r["settings"].items() if k != "kernels"))  # noqa: E731
-    stock = {key(r): r["tokens_per_s"] for r in rows if r["settings"]["kernels"] == "stock" and r["tokens_per_s"]}
-    out: dict[str, dict[str, Any]] = {}
+    """What each kernel mode and each scenario costs and what it buys, from the same run.
+
+    Per kernel mode, over the cold cells: the cells kept bitwise identical to their reference, and
+    its tokens/s against stock's, the geometric mean of cell / stock cell over the cells whose every
+    other setting (engine, TP, batch, NCCL, mode) has a stock cell too (`speed_vs_stock`). Then per
+    scenario other than cold and kernel mode: the cells identical to their reference, which is
+    their cold twin, and tokens/s against the cold twin's (`speed_vs_cold`). A speed is None where
+    the run has no such pair."""
+    rows = [r for r in rows if r.get("status") != "refused"]
+    cold = [r for r in rows if _scenario(r) == COLD]
+    out = [{"kernels": kernels, **_priced(group, "kernels", "stock", cold)}
+           for kernels, group in _by(cold, lambda r: r["settings"]["kernels"]).items()]
+    for (scenario, kernels), group in _by([r for r in rows if _scenario(r) != COLD],
+                                          lambda r: (_scenario(r), r["settings"]["kernels"])).items():
+        out.append({"scenario": scenario, "kernels": kernels, **_priced(group, "scenario", COLD, rows)})
+    return out
+
+
+def _by(rows: list[dict[str, Any]], key) -> dict[Any, list[dict[str, Any]]]:
+    groups: dict[Any, list[dict[str, Any]]] = {}
     for r in rows:
-        p = out.setdefault(r["settings"]["kernels"], {"kernels": r["settings"]["kernels"], "identical": 0, "compared": 0,
-                                                      "speed_vs_stock": None, "speed_pairs": 0, "_logs": []})
-        if "identical" in r:
-            p["identical"] += bool(r["identical"])
-            p["compared"] += 1
-        base = stock.get(key(r))
-        if base and r["tokens_per_s"]:
-            p["_logs"].append(math.log(r["tokens_per_s"] / base))
-    for p in out.values():
-        logs = p.pop("_logs")
-        if logs:
-            p["speed_vs_stock"], p["speed_pairs"] = math.exp(math.fsum(logs) / len(logs)), len(logs)
-    return list(out.values())
+        groups.setdefault(key(r), []).append(r)
+    return groups
+
+
+def _priced(group: list[dict[str, Any]], dim: str, base: str, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Cells of `group` identical to their reference, and the geometric mean of their tokens/s over
+    their twin's in `rows`: the cell with every setting equal but `dim`, which is `base`."""
+    twin = lambda r: tuple(sorted((k, str(base if k == dim else v)) for k, v in r["settings"].items()))  # noqa: E731
+    rate = {twin(r): r["tokens_per_s"] for r in rows if (r["settings"].get(dim) or COLD) == base and r["tokens_per_s"]}
+    logs = [math.log(r["tokens_per_s"] / rate[twin(r)]) for r in group if r["tokens_per_s"] and twin(r) in rate]
+    speed = math.exp(math.fsum(logs) / len(logs)) if logs else None
+    compared = [r for r in group if "identical" in r]
+    return {"identical": sum(bool(r["identical"]) for r in compared), "compared": len(compared),
+            f"speed_vs_{base}": speed, "speed_pairs": len(logs)}
 
 
 def price_line(p: dict[str, Any]) -> str:
-    """"tbik: 6 of 6 cells bitwise identical to their reference, at 0.62x stock's tokens/s"."""
-    line = f"{p['kernels']}: {p['identical']} of {p['compared']} cells bitwise identical to their reference"
-    if p["kernels"] != "stock" and p["speed_vs_stock"] is not None:
-        line += f", at {p['speed_vs_stock']:.2f}x stock's tokens/s ({p['speed_pairs']} cells)"
+    """"tbik: 6 of 6 cells bitwise identical to their reference, at 0.62x stock's tokens/s";
+    "prefix-hit (stock): 2 of 4 cells bitwise identical to their cold twin, at 1.10x cold's tokens/s"."""
+    if "scenario" in p:
+        line = f"{p['scenario']} ({p['kernels']}): {p['identical']} of {p['compared']} cells bitwise identical to their cold twin"
+        speed, against = p["speed_vs_cold"], "cold"
+    else:
+        line = f"{p['kernels']}: {p['identical']} of {p['compared']} cells bitwise identical to their reference"
+        speed, against = (p["speed_vs_stock"] if p["kernels"] != "stock" else None), "stock"
+    if speed is not None:
+        line += f", at {speed:.2f}x {against}'s tokens/s ({p['speed_pairs']} cells)"
     return line
 
 
@@ -153,21 +185,24 @@ def print_summary(summary: dict[str, Any], console: Console) -> None:
 
     cells = summary["cells"]
     varying = [k for k in ("engine", "tp", "batch_size", "nccl") if len({str(r["settings"][k]) for r in cells}) > 1]
-    groups: dict[tuple[str, str], list[tuple[dict[str, Any], list[str]]]] = {}
+    groups: dict[tuple[str, str, str], list[tuple[dict[str, Any], list[str]]]] = {}
     for r, row in zip(cells, table_rows(summary)):
-        groups.setdefault((r["settings"]["kernels"], r["settings"]["mode"]), []).append((r, row))
-    for (kernels, mode), rows in groups.items():
-        t = Table(title=f"{kernels}, {mode}: each cell vs its reference", title_justify="left", box=box.SIMPLE_HEAD,
+        groups.setdefault((r["settings"]["kernels"], _scenario(r), r["settings"]["mode"]), []).append((r, row))
+    for (kernels, scenario, mode), rows in groups.items():
+        what = f"{kernels}, {mode}" if scenario == COLD else f"{kernels}, {scenario}, {mode}"
+        t = Table(title=f"{what}: each cell vs its reference", title_justify="left", box=box.SIMPLE_HEAD,
                   header_style="bold", pad_edge=False)
         for h in ("cell", "vs", "bits equal", "max ULP", "1st div.", "seq match", "tok/s"):
             t.add_column(h, no_wrap=True, justify="left" if h in ("cell", "vs") else "right")
         for r, row in rows:
             vs = "(reference)" if r["cell"] == r["reference"] else r["reference_delta"]
             first = r.get("first_logprob_divergence_min")
-            status = "" if r["status"] == "done" else f" [red]{r['status'] or 'pending'}[/]"
+            status = "" if r["status"] == "done" else f" [{'yellow' if r['status'] == 'refused' else 'red'}]{r['status'] or 'pending'}[/]"
             t.add_row(_label(r["settings"], varying) + status, vs, row[3], row[4], "—" if first is None else f"pos {first}",
                       row[7], row[8])
         console.print(t)
+    for reason, n in _refusals(cells).items():
+        console.print(f"[yellow]refused, not run:[/] {n} cell(s): {escape(reason)}", soft_wrap=True)
     for p in summary["price"]:
         if p["compared"]:
             colour = "green" if p["identical"] == p["compared"] else "red"
@@ -180,18 +215,40 @@ def summary_markdown(summary: dict[str, Any]) -> str:
              "| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
     lines += ["| " + " | ".join(row) + " |" for row in table_rows(summary)]
     lines += ["", f"{summary['identical_cells']}/{summary['compared_cells']} cells bitwise identical to their reference.", ""]
+    refused = [r for r in summary["cells"] if r["status"] == "refused"]
+    if refused:
+        lines += ["Refused, not run (the combination cannot give a meaningful cell):", ""]
+        lines += [f"- `{r['cell']}`: {r['reason']}" for r in refused] + [""]
     lines += ["What each kernel mode buys and costs, from this run (tokens/s: geometric mean of each cell against",
               "the stock cell with the same other settings):", "",
               "| kernels | cells identical to their reference | tokens/s vs stock |", "|---|---|---|"]
-    lines += [f"| {p['kernels']} | {p['identical']}/{p['compared']} | "
-              + ("—" if p["speed_vs_stock"] is None else f"{p['speed_vs_stock']:.2f}x ({p['speed_pairs']} cells)") + " |"
-              for p in summary["price"]]
+    lines += [f"| {p['kernels']} | {p['identical']}/{p['compared']} | {_speed(p['speed_vs_stock'], p)} |"
+              for p in summary["price"] if "scenario" not in p]
+    scenarios = [p for p in summary["price"] if "scenario" in p]
+    if scenarios:
+        lines += ["", "What each scenario changes and costs (each cell against its cold twin: same engine, TP, batch, "
+                  "NCCL, kernels and mode):", "",
+                  "| scenario | kernels | cells identical to their cold twin | tokens/s vs cold |", "|---|---|---|---|"]
+        lines += [f"| {p['scenario']} | {p['kernels']} | {p['identical']}/{p['compared']} | {_speed(p['speed_vs_cold'], p)} |"
+                  for p in scenarios]
     lines.append("")
     if summary.get("wall_s") is not None:
         loads = sum(sum(v) for v in summary["load_s"].values())
         lines.append(f"Whole matrix {summary['wall_s']:.1f} s; sum of cell times {summary['sum_cell_s']:.1f} s; "
                      f"model loads {loads:.1f} s over {len(summary['load_s'])} launch group(s).")
     return "\n".join(lines) + "\n"
+
+
+def _speed(x: float | None, p: dict[str, Any]) -> str:
+    return "—" if x is None else f"{x:.2f}x ({p['speed_pairs']} cells)"
+
+
+def _refusals(cells: list[dict[str, Any]]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for r in cells:
+        if r["status"] == "refused":
+            out[r["reason"]] = out.get(r["reason"], 0) + 1
+    return out
 
 
 def write_summary(summary: dict[str, Any], run_dir: Path) -> None:

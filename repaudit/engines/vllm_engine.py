@@ -35,11 +35,14 @@ memory share. The settings repaudit changes, and why (docs/vllm.md lists them to
 - max_num_seqs = the largest batch size of the job, max_model_len = the longest sequence:
   the batch is what the cell measures, and the KV cache is sized for the suite.
 - seed=0 and greedy sampling (temperature 0).
---vllm-arg KEY=VALUE sets any engine argument (e.g. enforce_eager=true).
+A scenario (SCENARIO_ARGS, chunked-prefill:N) changes a few of these on purpose, one thing at a
+time, and its cells are compared with the cold cells of the same job settings (docs/vllm.md,
+"Scenarios"). --vllm-arg KEY=VALUE sets any engine argument and has the last word.
 """
 
 from __future__ import annotations
 
+import copy
 import importlib.metadata
 import time
 from typing import Any
@@ -60,6 +63,18 @@ KERNEL_ENV = {
 # lengths on the host, so it runs between vLLM's piecewise CUDA graphs instead of inside a
 # full-decode graph.
 TBIK_ENGINE_ARGS = {"attention_backend": "FLASH_ATTN", "compilation_config": {"cudagraph_mode": "PIECEWISE"}}
+# What each scenario changes in vLLM's engine arguments (docs/vllm.md, "Scenarios", says why):
+# one serving feature at a time, against the cold cell that has none of them.
+SCENARIO_ARGS: dict[str, dict[str, Any]] = {
+    "cold": {},
+    "prefix-hit": {"enable_prefix_caching": True},
+    "eager": {"enforce_eager": True},  # vLLM then turns off torch.compile and CUDA graphs both
+    "fp8-kv": {"kv_cache_dtype": "fp8"},
+    # n-gram drafts need no draft model; 4 tokens drafted from a 2- to 4-token match in the context
+    "spec-ngram": {"speculative_config": {"method": "ngram", "num_speculative_tokens": 4,
+                                          "prompt_lookup_max": 4, "prompt_lookup_min": 2}},
+}
+CHUNKED_PREFILL = "chunked-prefill"  # chunked-prefill:N, prefill chunks of at most N tokens
 # transformers model types whose every op the plugin reproduces (Llama-style decoder layers,
 # RMSNorm, SiLU-and-mul, default RoPE); tests/test_hf_ops.py checks the ops on both.
 TBIK_FAMILIES = ("llama", "qwen3")
@@ -120,8 +135,19 @@ def process_env(kernels: str) -> dict[str, str]:
             "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1", "VLLM_ALLREDUCE_USE_SYMM_MEM": "0"}
 
 
+def scenario_args(scenario: str) -> dict[str, Any]:
+    """A scenario's engine arguments. chunked-prefill:N caps the tokens of one scheduler step at N,
+    so a prompt longer than N is prefilled in chunks of N (vLLM needs N >= max_num_seqs)."""
+    name, colon, n = scenario.partition(":")
+    if name == CHUNKED_PREFILL and colon and n.isdigit() and int(n) > 0:
+        return {"enable_chunked_prefill": True, "max_num_batched_tokens": int(n)}
+    if scenario not in SCENARIO_ARGS:
+        raise ValueError(f"unknown scenario {scenario!r}")
+    return copy.deepcopy(SCENARIO_ARGS[scenario])
+
+
 def engine_args(*, model_path: str, tp: int, dtype: str, batch_size: int, max_len: int, topk: int,
-                kernels: str = "stock", extra: dict[str, Any] | None = None) -> dict[str, Any]:
+                kernels: str = "stock", scenario: str = "cold", extra: dict[str, Any] | None = None) -> dict[str, Any]:
     args = dict(
         model=model_path, tensor_parallel_size=tp, dtype=dtype, seed=0, max_num_seqs=batch_size,
         max_model_len=max_len, enable_prefix_caching=False, skip_tokenizer_init=True,
@@ -129,6 +155,7 @@ def engine_args(*, model_path: str, tp: int, dtype: str, batch_size: int, max_le
     )
     if kernels == "tbik":
         args.update(TBIK_ENGINE_ARGS)
+    args.update(scenario_args(scenario))
     args.update(extra or {})
     return args
 
@@ -159,6 +186,16 @@ def _run(llm, token_lists: list[list[int]], params: list) -> tuple[list, float]:
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     return outs, time.perf_counter() - t0
+
+
+def warm_prefixes(llm, seqs: list[Sequence]) -> None:
+    """prefix-hit: every prompt once, one token and no logprobs, before the measured requests, so
+    their prompts' full KV blocks come from vLLM's prefix cache (a hit stops one token short of the
+    whole prompt, and a prompt shorter than one block has nothing to hit). Its time is outside the
+    cell's Timing, so out of its tokens/s (the cell's wall seconds include it)."""
+    from vllm import SamplingParams
+
+    _run(llm, [list(s.prompt) for s in seqs], [SamplingParams(temperature=0.0, max_tokens=1, detokenize=False)] * len(seqs))
 
 
 def score(llm, seqs: list[Sequence], topk: int, eos_id: int | None) -> tuple[list[TokenRows], Timing]:

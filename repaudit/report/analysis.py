@@ -324,7 +324,7 @@ def cell_matrix(mode: str, ids: list[str], labels: list[str], paths: dict[str, A
 # ------------------------------------------------------------------------------ labels
 
 
-DIMENSIONS = ("engine", "tp", "batch_size", "nccl", "kernels", "mode")
+DIMENSIONS = ("engine", "tp", "batch_size", "nccl", "kernels", "mode", "scenario")
 
 
 def short_labels(settings: dict[str, dict[str, Any]], dims: tuple[str, ...] = DIMENSIONS) -> dict[str, str]:

@@ -153,6 +153,7 @@ def build_run(run: RunInfo, thresholds: Thresholds, matrix_limit: int = MATRIX_L
         ("updated", str(m.updated)),
     ]
     notes = [f"Cell × cell matrix for {mv.mode}: {mv.skipped}." for mv in matrices if mv.skipped]
+    notes += [f"Refused, not run: {cell}: {reason}." for cell, reason in gate.refused]
     return ReportData("run", f"repaudit report: {run.name}", facts, gate, cells, pairs, matrices, groups,
                       m.wall_s, commands, text.note, notes, _locates(gate.pairs))
 

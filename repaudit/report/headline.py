@@ -37,14 +37,22 @@ def verdict(data: ReportData) -> tuple[str, str]:
 
 def price_tiles(data: ReportData) -> list[Tile]:
     """A tile per kernel mode other than stock, where the run has stock twins: its tokens/s against
-    stock's, with the cells it keeps identical (compare.summary.price_list, the run summary's)."""
+    stock's, with the cells it keeps identical; and one per scenario and kernel mode, where the run
+    has cold twins: its tokens/s against cold's, with the cells identical to their cold twin
+    (compare.summary.price_list, the run summary's)."""
     identical = {p.cell: p.result is not None and p.failure is None and p.result.identical for p in data.gate.pairs}
     rows = [{"settings": {d: c.settings.get(d) for d in DIMENSIONS}, "tokens_per_s": tokens_per_s(c.timing, c.settings["mode"]),
              **({"identical": identical[c.id]} if c.id in identical else {})} for c in data.cells]
-    return [Tile(f"{p['kernels']}: speed vs stock", f"{p['speed_vs_stock']:.2f}x",
-                 f"tokens/s over {p['speed_pairs']} cells · keeps {p['identical']}/{p['compared']} identical",
-                 "pass" if p["identical"] == p["compared"] else "fail")
-            for p in price_list(rows) if p["kernels"] != "stock" and p["speed_vs_stock"] is not None]
+    out = []
+    for p in price_list(rows):
+        if "scenario" in p:
+            label, speed = f"{p['scenario']} ({p['kernels']}): speed vs cold", p["speed_vs_cold"]
+        else:
+            label, speed = f"{p['kernels']}: speed vs stock", (p["speed_vs_stock"] if p["kernels"] != "stock" else None)
+        if speed is not None:
+            out.append(Tile(label, f"{speed:.2f}x", f"tokens/s over {p['speed_pairs']} cells · keeps "
+                            f"{p['identical']}/{p['compared']} identical", "pass" if p["identical"] == p["compared"] else "fail"))
+    return out
 
 
 def tiles(data: ReportData) -> list[Tile]:

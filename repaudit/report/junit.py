@@ -3,7 +3,8 @@
 One <testsuites> holding one <testsuite>; one <testcase> per cell pair (classname
 `repaudit.<run name>`, name `<cell> vs <reference>`), plus one per reference cell that did not
 complete. A failing pair carries <failure message="verdict and reasons" type="...">metrics</failure>;
-a passing one carries them in <system-out>. tests/data/junit.xsd is the schema it is
+a passing one carries them in <system-out>; a combination the run refused (never run, see
+compare.gate) is a case with <skipped message="why" type="refused"/>. tests/data/junit.xsd is the schema it is
 tested against.
 """
 
@@ -40,12 +41,13 @@ def junit_xml(g: GateResult, timestamp: float | None = None, hostname: str | Non
     cases = g.all_cases
     failures = len(g.failures)
     total_time = sum(p.seconds or 0.0 for p in cases)
+    tests, skipped = str(len(cases) + len(g.refused)), str(len(g.refused))
     stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(timestamp if timestamp is not None else time.time()))
-    root = ET.Element("testsuites", {"name": "repaudit", "tests": str(len(cases)), "failures": str(failures),
-                                     "errors": "0", "skipped": "0", "time": _seconds(total_time)})
+    root = ET.Element("testsuites", {"name": "repaudit", "tests": tests, "failures": str(failures),
+                                     "errors": "0", "skipped": skipped, "time": _seconds(total_time)})
     suite = ET.SubElement(root, "testsuite", {
-        "name": xml_text(_classname(g.suite)), "tests": str(len(cases)), "failures": str(failures), "errors": "0",
-        "skipped": "0", "time": _seconds(total_time), "timestamp": stamp,
+        "name": xml_text(_classname(g.suite)), "tests": tests, "failures": str(failures), "errors": "0",
+        "skipped": skipped, "time": _seconds(total_time), "timestamp": stamp,
         "hostname": xml_text(hostname if hostname is not None else socket.gethostname() or "localhost"),
     })
     props = ET.SubElement(suite, "properties")
@@ -61,6 +63,9 @@ def junit_xml(g: GateResult, timestamp: float | None = None, hostname: str | Non
             fail.text = details
         else:
             ET.SubElement(case, "system-out").text = details
+    for cell, reason in g.refused:
+        case = ET.SubElement(suite, "testcase", {"classname": classname, "name": xml_text(cell), "time": _seconds(0)})
+        ET.SubElement(case, "skipped", {"message": xml_text(reason), "type": "refused"})
     ET.indent(root, space="  ")
     return b'<?xml version="1.0" encoding="UTF-8"?>\n' + ET.tostring(root, encoding="utf-8") + b"\n"
 

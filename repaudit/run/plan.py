@@ -4,6 +4,11 @@ A cell is one point of the matrix; a launch group is the cells that share one di
 job (same engine, model, TP size and NCCL environment). Inside a group, generate cells run
 before score cells (score mode may need the greedy references) and batch sizes ascend, so
 an out-of-memory failure at the largest batch size comes last.
+
+A vLLM cell also has a scenario (scenarios.py): `cold`, or a serving feature such as prefix
+caching, compared with its cold twin. A combination that cannot give a meaningful cell
+(scenarios.REFUSED) is not a cell: the plan keeps it in `refused` with its reason, and the
+manifest and the summary show it as refused.
 """
 
 from __future__ import annotations
@@ -12,6 +17,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..errors import InputError
+from . import scenarios
+from .scenarios import COLD
 
 ENGINES = ("hf", "vllm")
 KERNELS = ("stock", "bi", "tbik")
@@ -29,16 +36,19 @@ class Cell:
     nccl: str
     kernels: str
     mode: str
+    scenario: str = COLD
 
     @property
     def id(self) -> str:
-        return f"{self.engine}-tp{self.tp}-bs{self.batch_size}-{self.nccl}-{self.kernels}-{self.mode}"
+        scenario = "" if self.scenario == COLD else f"-{scenarios.slug(self.scenario)}"
+        return f"{self.engine}-tp{self.tp}-bs{self.batch_size}-{self.nccl}-{self.kernels}{scenario}-{self.mode}"
 
     @property
     def group_key(self) -> tuple:
-        # vLLM builds its TP group, and reads its kernel switches, once per process: a vLLM job
-        # holds one kernel mode; its batch sizes and modes run inside it, like a transformers job's.
-        return (self.engine, self.tp, self.nccl) + ((self.kernels,) if self.engine == "vllm" else ())
+        # vLLM builds its TP group, and reads its kernel switches and engine arguments, once per
+        # process: a vLLM job holds one kernel mode and one scenario; its batch sizes and modes run
+        # inside it, like a transformers job's.
+        return (self.engine, self.tp, self.nccl) + ((self.kernels, self.scenario) if self.engine == "vllm" else ())
 
 
 @dataclass(frozen=True)
@@ -61,6 +71,7 @@ class Matrix:
     reference_per: tuple[str, ...] = ("kernels", "mode")
     trace: bool = False
     vllm_args: dict[str, Any] = field(default_factory=dict)  # engine arguments for vLLM cells
+    scenarios: tuple[str, ...] = (COLD,)  # vLLM cells only; transformers cells are cold
 
     # The manifest's "matrix" object: its keys are the command line's (tp, batch_size, mode), and
     # the model and baseline live at the manifest's top level. These two are its only writer and reader.
@@ -68,7 +79,8 @@ class Matrix:
         return {"engines": list(self.engines), "tp": list(self.tps), "batch_size": list(self.batch_sizes), "nccl": self.nccl,
                 "kernels": list(self.kernels), "mode": list(self.modes), "dtype": self.dtype, "device": self.device,
                 "probes": self.probes, "max_new_tokens": self.max_new_tokens, "topk": self.topk,
-                "reference_per": list(self.reference_per), "trace": self.trace, "vllm_args": self.vllm_args}
+                "reference_per": list(self.reference_per), "trace": self.trace, "vllm_args": self.vllm_args,
+                "scenario": list(self.scenarios)}
 
     @classmethod
     def from_manifest(cls, m: dict[str, Any], model: str, baseline: str | None) -> "Matrix":
@@ -76,7 +88,7 @@ class Matrix:
                    nccl=dict(m["nccl"]), kernels=tuple(m["kernels"]), modes=tuple(m["mode"]), dtype=m["dtype"],
                    device=m["device"], probes=m["probes"], max_new_tokens=m["max_new_tokens"], topk=m["topk"],
                    baseline=baseline, reference_per=tuple(m["reference_per"]), trace=bool(m.get("trace", False)),
-                   vllm_args=dict(m.get("vllm_args") or {}))
+                   vllm_args=dict(m.get("vllm_args") or {}), scenarios=tuple(m.get("scenario") or (COLD,)))
 
 
 @dataclass(frozen=True)
@@ -90,7 +102,10 @@ class LaunchGroup:
     @property
     def id(self) -> str:
         base = f"{self.engine}-tp{self.tp}-{self.nccl}"
-        return f"{base}-{self.cells[0].kernels}" if self.engine == "vllm" else base
+        if self.engine != "vllm":
+            return base
+        first = self.cells[0]
+        return f"{base}-{first.kernels}" + ("" if first.scenario == COLD else f"-{scenarios.slug(first.scenario)}")
 
 
 @dataclass(frozen=True)
@@ -100,6 +115,7 @@ class Plan:
     groups: tuple[LaunchGroup, ...]
     baseline: Cell
     notes: tuple[str, ...] = ()
+    refused: tuple[tuple[Cell, str], ...] = ()  # combinations not run, each with why (scenarios.REFUSED)
 
     def cell(self, cell_id: str) -> Cell:
         for c in self.cells:
@@ -113,27 +129,33 @@ class Plan:
         return replace(self.baseline, mode="generate")
 
     def reference_for(self, cell: Cell) -> Cell:
-        """The cell this one is compared with: the baseline, with the dimensions named in
+        """The cell this one is compared with: for a scenario cell, its cold twin (every other
+        setting its own); for a cold cell, the baseline, with the dimensions named in
         `reference_per` taken from the cell itself (by default its kernels and mode)."""
+        if cell.scenario != COLD:
+            return replace(cell, scenario=COLD)
         return replace(self.baseline, **{d: getattr(cell, d) for d in self.matrix.reference_per})
 
 
 def _parse_baseline(text: str, cells: tuple[Cell, ...]) -> Cell:
     by_id = {c.id: c for c in cells}
-    if text in by_id:
-        return by_id[text]
     # A baseline may omit the mode: "hf-tp1-bs1-default-stock".
-    for c in cells:
-        if c.id.rsplit("-", 1)[0] == text:
-            return c
+    found = by_id.get(text) or next((c for c in cells if c.id.rsplit("-", 1)[0] == text), None)
+    if found is not None and found.scenario != COLD:
+        raise InputError(f"baseline {text!r} is a {found.scenario} cell: the baseline is a cold cell "
+                         "(a scenario cell's reference is its cold twin)")
+    if found is not None:
+        return found
     examples = ", ".join(sorted({c.id for c in cells})[:4])
     raise InputError(f"baseline {text!r} is not a cell of the matrix (cells look like: {examples}, ...)")
 
 
 def expand(m: Matrix) -> Plan:
     """Matrix -> cells and launch groups. Validates everything that needs no model."""
+    m = replace(m, scenarios=tuple(scenarios.parse(s) for s in m.scenarios))
     for name, values in (("--engine", m.engines), ("--tp", m.tps), ("--batch-size", m.batch_sizes),
-                         ("--nccl", tuple(m.nccl)), ("--kernels", m.kernels), ("--mode", m.modes)):
+                         ("--nccl", tuple(m.nccl)), ("--kernels", m.kernels), ("--mode", m.modes),
+                         ("--scenario", m.scenarios)):
         if not values:
             raise InputError(f"{name} is empty: the matrix has no cells")
         if len(set(values)) != len(values):
@@ -166,8 +188,9 @@ def expand(m: Matrix) -> Plan:
     if bad_per:
         raise InputError(f"--reference-per {sorted(bad_per)}: expected names among {', '.join(REFERENCE_DIMENSIONS)}")
 
-    notes = []
-    cells = []
+    notes: list[str] = []
+    m = _check_scenarios(m, notes)
+    cells, refused = [], []
     for engine in m.engines:
         for tp in sorted(m.tps):
             # NCCL variables change nothing where there is no NCCL communication.
@@ -178,9 +201,18 @@ def expand(m: Matrix) -> Plan:
                 presets = presets[:1]
             for nccl in presets:
                 for kernels in m.kernels:
-                    for mode in sorted(m.modes, key=MODES.index):
-                        for bs in sorted(m.batch_sizes):
-                            cells.append(Cell(engine, tp, bs, nccl, kernels, mode))
+                    for scenario in m.scenarios if engine == "vllm" else (COLD,):
+                        for mode in sorted(m.modes, key=MODES.index):
+                            reason = scenarios.refusal(scenario, kernels, mode)
+                            for bs in sorted(m.batch_sizes):
+                                cell = Cell(engine, tp, bs, nccl, kernels, mode, scenario)
+                                if reason is None:
+                                    cells.append(cell)
+                                else:
+                                    refused.append((cell, reason))
+    for reason in dict.fromkeys(r for _, r in refused):
+        which = sorted({f"{c.scenario} with {c.kernels} {c.mode}" for c, r in refused if r == reason})
+        notes.append(f"{sum(r == reason for _, r in refused)} cell(s) refused, not run ({'; '.join(which)}): {reason}")
     cells_t = tuple(cells)
     baseline = _parse_baseline(m.baseline, cells_t) if m.baseline else cells_t[0]
 
@@ -193,7 +225,24 @@ def expand(m: Matrix) -> Plan:
                     cells=tuple(sorted(v, key=lambda c: (MODES.index(c.mode), c.batch_size, m.kernels.index(c.kernels)))))
         for k, v in ordered
     )
-    return Plan(matrix=m, cells=cells_t, groups=launch, baseline=baseline, notes=tuple(notes))
+    return Plan(matrix=m, cells=cells_t, groups=launch, baseline=baseline, notes=tuple(notes), refused=tuple(refused))
+
+
+def _check_scenarios(m: Matrix, notes: list[str]) -> Matrix:
+    """Scenarios are vLLM's; `cold`, every scenario's reference, is added (first) when not listed."""
+    others = [s for s in m.scenarios if s != COLD]
+    if others and "vllm" not in m.engines:
+        raise InputError(f"--scenario {','.join(others)}: scenarios other than cold are for --engine vllm")
+    if others and COLD not in m.scenarios:
+        notes.append(f"scenario cold added: every {', '.join(others)} cell is compared with its cold twin")
+    if others and "hf" in m.engines:
+        notes.append(f"hf: scenario {', '.join(others)} applies to vLLM cells only; transformers cells run cold")
+    for s in others:
+        n = scenarios.chunk_tokens(s)
+        if n is not None and n < max(m.batch_sizes):
+            raise InputError(f"--scenario {s}: vLLM needs the prefill chunk ({n} tokens) to be at least the largest "
+                             f"--batch-size ({max(m.batch_sizes)}), its max_num_seqs")
+    return replace(m, scenarios=(COLD, *others))
 
 
 def resolve_auto(m: Matrix) -> Matrix:
@@ -277,7 +326,7 @@ def reference_pairs(plan: Plan) -> list[tuple[Cell, Cell]]:
     return [(cell, plan.reference_for(cell)) for cell in plan.cells]
 
 
-CELL_SETTINGS = ("engine", "tp", "batch_size", "nccl", "kernels", "mode")
+CELL_SETTINGS = ("engine", "tp", "batch_size", "nccl", "kernels", "mode", "scenario")
 
 
 def reference_delta(cell: Cell, reference: Cell) -> str:

@@ -61,6 +61,8 @@ def cell_settings(cell: Cell, plan: Plan, ref: ModelRef, suite: Suite, reference
         "dtype": m.dtype, "device": m.device, "probes": suite.name, "probes_sha256": suite.sha256, "topk": m.topk,
         "max_new_tokens": m.max_new_tokens, **({"trace": True} if m.trace else {}),
         **({"vllm_args": m.vllm_args} if cell.engine == "vllm" and m.vllm_args else {}),
+        # Only where not cold, so that a record made before scenarios existed still resumes.
+        **({"scenario": cell.scenario} if cell.scenario != "cold" else {}),
         **({"scores_tokens_of": reference.id} if reference is not None and cell.mode == "score" else {}),
     }
 
@@ -93,6 +95,15 @@ def _mark_reused(entry: dict[str, Any], meta: RecordMeta) -> None:
 
 
 _CELL_NUMBERS = ("seconds", "rows", "timing", "ranks_differ")
+
+
+def mark_refused(manifest: Manifest, plan: Plan, ref: ModelRef, suite: Suite, reference: Cell | None) -> None:
+    """A refused combination (plan.refused) has an entry that says so and why, and is never launched."""
+    for cell, reason in plan.refused:
+        entry = manifest.cell(cell.id)
+        for key in _CELL_NUMBERS:
+            entry.pop(key, None)
+        entry.update(status="refused", reason=reason, reused=False, settings=cell_settings(cell, plan, ref, suite, reference))
 
 
 class _Stop:
@@ -213,6 +224,7 @@ def run(matrix: Matrix, opts: RunOptions, console: Console | None = None,
                 for key in _CELL_NUMBERS:
                     entry.pop(key, None)
                 entry.update(status="pending", reason=None, reused=False)
+        mark_refused(manifest, plan, ref, suite, reference_cell)
         if leader:
             manifest.save()
         stop = _Stop()

@@ -143,13 +143,15 @@ def _run_vllm(spec: JobSpec, events: EventWriter, todo: list[dict]) -> None:
 
     vllm_engine.scrub_launcher_env(os.environ)
     os.environ.update(vllm_engine.process_env(todo[0]["kernels"]))
+    scenario = todo[0].get("scenario", "cold")  # one per job, like the kernel mode (plan.Cell.group_key)
     # Reference completions are greedy generations of at most max_new_tokens tokens.
     longest = max(len(p.tokens) + max(p.max_new_tokens, len(p.completion or ())) for p in spec.prompts)
     refs = None
     t0 = time.perf_counter()
     llm = vllm_engine.load(vllm_engine.engine_args(
         model_path=spec.model_path, tp=spec.tp, dtype=spec.dtype, batch_size=max(c["batch_size"] for c in todo),
-        max_len=longest + 1, topk=spec.topk, kernels=todo[0]["kernels"], extra=spec.extra.get("vllm_args")))
+        max_len=longest + 1, topk=spec.topk, kernels=todo[0]["kernels"], scenario=scenario,
+        extra=spec.extra.get("vllm_args")))
     events.emit("loaded", seconds=time.perf_counter() - t0)
     env = environment(spec.device)
     for cell in todo:
@@ -161,8 +163,13 @@ def _run_vllm(spec: JobSpec, events: EventWriter, todo: list[dict]) -> None:
             if cell["mode"] == "score" and refs is None and any(p.completion is None for p in spec.prompts):
                 refs = _references(spec, 0)
             run = vllm_engine.score if cell["mode"] == "score" else vllm_engine.generate
-            rows, timing = _batches(cid, _sequences(spec, refs, cell["mode"]), cell["batch_size"],
-                                    lambda batch: run(llm, batch, spec.topk, spec.eos_id), events, 0)
+
+            def run_batch(batch):
+                if scenario == "prefix-hit":  # the prompts' prefixes cached first, outside the cell's timing
+                    vllm_engine.warm_prefixes(llm, batch)
+                return run(llm, batch, spec.topk, spec.eos_id)
+
+            rows, timing = _batches(cid, _sequences(spec, refs, cell["mode"]), cell["batch_size"], run_batch, events, 0)
             _write(spec, cell, rows, env, None)
         except BaseException as exc:  # noqa: BLE001
             _cell_failed(events, cid, exc)
