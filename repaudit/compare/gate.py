@@ -26,6 +26,7 @@ from ..run.jobspec import cell_path
 from ..run.plan import Plan, plan_from_manifest, reference_delta, reference_pairs
 from ..run.rundir import Manifest, ManifestData
 from .diff import diff_records
+from .labels import cell_settings, short_labels
 from .render import metric_rows, pct, verdict_line
 from .result import DEFAULT_CLIP, DiffResult, Thresholds
 from .stored import Store
@@ -103,6 +104,7 @@ class GateResult:
     properties: dict[str, str] = field(default_factory=dict)
     references: list[PairOutcome] = field(default_factory=list)  # reference cells that did not complete
     refused: list[tuple[str, str]] = field(default_factory=list)  # (cell, why) of combinations never run
+    labels: dict[str, str] = field(default_factory=dict)  # cell id -> the settings that vary among the run's cells
 
     @property
     def failures(self) -> list[PairOutcome]:
@@ -187,7 +189,8 @@ def gate_run(run: RunInfo, thresholds: Thresholds) -> GateResult:
         "thresholds": json.dumps(_thresholds_dict(thresholds), sort_keys=True),
     }
     refused = [(cell.id, reason) for cell, reason in run.plan.refused]
-    return GateResult(run.name, pairs, thresholds, props, refs, refused)
+    labels = short_labels({c.id: cell_settings(c) for c in run.plan.cells})
+    return GateResult(run.name, pairs, thresholds, props, refs, refused, labels)
 
 
 def gate_files(a: Path, b: Path, thresholds: Thresholds, allow_partial: bool = False) -> GateResult:
@@ -251,23 +254,11 @@ def _pos(x: int | None) -> str:
     return "—" if x is None else str(x)
 
 
-def short_names(cell_ids: list[str]) -> dict[str, str]:
-    """Cell id -> the parts of it that differ between the cells ("tp2 bs4 stock score" for
-    hf-tp2-bs4-default-stock-score among cells that all run hf with the default NCCL preset),
-    so a table fits an 80-column log; the failure lines below keep the full ids."""
-    parts = [c.split("-") for c in cell_ids]
-    if len({len(p) for p in parts}) != 1:
-        return {c: c for c in cell_ids}
-    keep = [i for i in range(len(parts[0])) if len({p[i] for p in parts}) > 1] if len(parts) > 1 else []
-    return {c: " ".join(p[i] for i in keep) or c for c, p in zip(cell_ids, parts)}
-
-
 def print_gate(g: GateResult, console: Console | None = None) -> None:
     """A compact table (one line per pair), then each failure with its reasons."""
     from rich import box
 
     console = console or Console()
-    names = short_names([p.cell for p in g.all_cases])
     t = Table(title=f"repaudit gate: {g.suite}", title_justify="left", header_style="bold", box=box.SIMPLE_HEAD,
               pad_edge=False)
     for h in ("cell", "vs", "result", "bits equal", "max ULP", "1st div."):
@@ -279,7 +270,7 @@ def print_gate(g: GateResult, console: Console | None = None) -> None:
             firsts = [x for d in r.shared_prompts for x in (d.first_token_divergence, d.first_logprob_divergence) if x is not None]
             first = min(firsts, default=None)
         t.add_row(
-            names[p.cell], "(ref)" if p.reference_only else (p.delta or p.reference),
+            g.labels.get(p.cell, p.cell), "(ref)" if p.reference_only else (p.delta or p.reference),
             "[green]pass[/]" if p.passed else "[red]FAIL[/]",
             pct(r.bitwise_equal, r.comparable) if r else "—", str(r.ulp_max) if r else "—",
             "—" if first is None else f"pos {first}",

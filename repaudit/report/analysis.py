@@ -322,19 +322,3 @@ def cell_matrix(mode: str, ids: list[str], labels: list[str], paths: dict[str, A
 
 
 # ------------------------------------------------------------------------------ labels
-
-
-DIMENSIONS = ("engine", "tp", "batch_size", "nccl", "kernels", "mode", "scenario")
-
-
-def short_labels(settings: dict[str, dict[str, Any]], dims: tuple[str, ...] = DIMENSIONS) -> dict[str, str]:
-    """Label each cell with only the settings that vary among the given cells ("tp2 bs4")."""
-    vary = [d for d in dims if len({str(s.get(d)) for s in settings.values()}) > 1]
-    out = {}
-    for cid, s in settings.items():
-        parts = []
-        for d in vary:
-            v = s.get(d)
-            parts.append({"tp": f"tp{v}", "batch_size": f"bs{v}"}.get(d, f"nccl={v}" if d == "nccl" else str(v)))
-        out[cid] = " ".join(parts) or cid
-    return out

@@ -12,7 +12,9 @@ from ..compare.gate import GateResult, PairOutcome, RunInfo, gate_run, threshold
 from ..compare.result import DiffResult, Thresholds
 from ..record.fingerprint import COMPARED, settings
 from ..record.io import read_meta
-from .analysis import DIMENSIONS, MatrixView, PairView, analyse_pair, cell_matrix, short_labels
+from ..compare.labels import cell_settings, short_labels
+from ..run.plan import CELL_SETTINGS
+from .analysis import MatrixView, PairView, analyse_pair, cell_matrix
 from .arrays import ArrayCache
 from .tokens import load_token_text
 
@@ -105,8 +107,8 @@ def build_run(run: RunInfo, thresholds: Thresholds, matrix_limit: int = MATRIX_L
     text = load_token_text(m.model.get("path"), m.tokenizer.get("sha256"), m.model.get("id"))
 
     group_of = {c.id: g.id for g in run.plan.groups for c in g.cells}
-    settings = {c.id: {d: getattr(c, d) for d in DIMENSIONS} for c in run.plan.cells}
-    labels = short_labels(settings)
+    settings = {c.id: cell_settings(c) for c in run.plan.cells}
+    labels = gate.labels
     refs = {c.id: r.id for c, r in ((c, run.plan.reference_for(c)) for c in run.plan.cells)}
     cells = []
     for c in run.plan.cells:
@@ -125,7 +127,7 @@ def build_run(run: RunInfo, thresholds: Thresholds, matrix_limit: int = MATRIX_L
         ids = [c.id for c in cells if c.mode == mode and c.status == "done" and c.path is not None and c.path.is_file()]
         if len(ids) < 2:
             continue
-        mlabels = short_labels({i: settings[i] for i in ids}, tuple(d for d in DIMENSIONS if d != "mode"))
+        mlabels = short_labels({i: settings[i] for i in ids}, tuple(d for d in CELL_SETTINGS if d != "mode"))
         matrices.append(cell_matrix(mode, ids, [mlabels[i] for i in ids], {i: run.path(i) for i in ids},
                                     {i for i in ids if refs[i] == i}, known, matrix_limit))
 

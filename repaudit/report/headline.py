@@ -7,7 +7,7 @@ from fractions import Fraction
 
 from ..compare.render import num, pct, verdict_line
 from ..compare.summary import price_list, tokens_per_s
-from .analysis import DIMENSIONS
+from ..run.plan import CELL_SETTINGS
 from .build import ReportData
 
 
@@ -41,7 +41,7 @@ def price_tiles(data: ReportData) -> list[Tile]:
     has cold twins: its tokens/s against cold's, with the cells identical to their cold twin
     (compare.summary.price_list, the run summary's)."""
     identical = {p.cell: p.result is not None and p.failure is None and p.result.identical for p in data.gate.pairs}
-    rows = [{"settings": {d: c.settings.get(d) for d in DIMENSIONS}, "tokens_per_s": tokens_per_s(c.timing, c.settings["mode"]),
+    rows = [{"settings": {d: c.settings.get(d) for d in CELL_SETTINGS}, "tokens_per_s": tokens_per_s(c.timing, c.settings["mode"]),
              **({"identical": identical[c.id]} if c.id in identical else {})} for c in data.cells]
     out = []
     for p in price_list(rows):
