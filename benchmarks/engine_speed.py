@@ -123,7 +123,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from repaudit.engines import hf
-    from repaudit.engines.base import Sequence
+    from repaudit.engines.base import Sequence, Timing
     from repaudit.run.kernelmodes import kernel_mode
 
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -149,14 +149,22 @@ def main() -> None:
                 for bs in batches:
                     pool = seqs[mode] * (-(-bs * args.chunks // len(seqs[mode])))
                     chunks = [pool[i * bs:(i + 1) * bs] for i in range(args.chunks)]
+                    last: list[Timing] = []  # the engine's own split of its last run: prefill vs decode steps
+
+                    def mine(mode=mode, chunks=chunks):
+                        timing, n = Timing(), 0
+                        for c in chunks:
+                            rows, t = (hf.score if mode == "score" else hf.generate)(hfm, c, args.topk)
+                            timing.add(t)
+                            n += sum(len(r.pos) + 1 if mode == "score" else int((r.pos >= r.prompt_len).sum()) for r in rows)
+                        last[:] = [timing]
+                        return n
+
                     if mode == "score":
                         base = lambda: sum(_plain_score(hfm.model, c, hfm.pad_id) for c in chunks)  # noqa: E731
-                        mine = lambda: sum(sum(len(r.pos) + 1 for r in hf.score(hfm, c, args.topk)[0]) for c in chunks)  # noqa: E731
                     else:
                         cache = "dynamic" if hfm.decode == "dynamic" else "static"
                         base = lambda: sum(_plain_generate(hfm.model, c, hfm.pad_id, args.new, cache)  # noqa: E731
-                                           for c in chunks)
-                        mine = lambda: sum(sum(int((r.pos >= r.prompt_len).sum()) for r in hf.generate(hfm, c, args.topk)[0])  # noqa: E731
                                            for c in chunks)
                     if args.no_baseline:
                         base = None
@@ -174,6 +182,10 @@ def main() -> None:
                            "repaudit_tok_s": tok_s(m_runs), "baseline_tok_s": tok_s(b_runs) if base else None,
                            "decode": hfm.decode if mode == "generate" else None}
                     row["ratio"] = row["repaudit_tok_s"] / row["baseline_tok_s"] if base else None
+                    if mode == "generate":  # where a generation's time goes (the last run): prefill, then the steps
+                        t = last[0]
+                        row["repaudit_prefill_s"], row["repaudit_decode_s"] = t.prefill_s, t.decode_s
+                        row["repaudit_decode_step_tok_s"] = t.decode_tokens / t.decode_s if t.decode_s else None
                     row["command"] = " ".join(["benchmarks/engine_speed.py", *sys.argv[1:]])
                     rows.append(row)
                     if rank == 0:
