@@ -71,6 +71,9 @@ SPECIAL: dict[str, dict] = {
                         per_layer_config={"01": {"head_dim": 32}}, final_logit_softcapping=5.0),
     "gemma4_unified_text": dict(vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=16,
                                 per_layer_config={"01": {"head_dim": 32}}, final_logit_softcapping=5.0),
+    # No window, so that the static-cache decode (which Mistral's default 4096-token window
+    # rules out: engines/hf_decode.static_supported) is checked for the family too.
+    "mistral": dict(sliding_window=None),
     "kimi_linear": dict(num_experts_per_token=2, linear_head_dim=16, linear_num_heads=4),
     "longcat_flash": dict(num_layers=1, ffn_hidden_size=128, expert_ffn_hidden_size=32, moe_topk=2, zero_expert_num=2),
     "phi4_multimodal": dict(audio_config=dict(num_blocks=2, nemo_conv_channels=64, ext_pw_out_channel=64,
@@ -257,8 +260,14 @@ def _conform(model_type: str, path, seed: int = 0) -> None:
         _check_rows(f"{what}, new tokens", rows, d_logits, torch.log_softmax(d_logits, dim=-1), np.asarray(new))
 
 
-def test_the_static_decode_families_are_tested():
-    assert hf_decode.STATIC_FAMILIES <= set(TESTED), "a family decodes with a static cache that nothing here checks"
+@pytest.mark.parametrize("model_type", sorted(hf_decode.STATIC_FAMILIES))
+def test_the_static_decode_families_are_tested(model_type, tmp_path):
+    """Each family that may decode over a static cache gets that path checked above: its tiny
+    model here must take it (a window or another attention would silently skip the check)."""
+    assert model_type in TESTED, "a family decodes with a static cache that nothing here checks"
+    _save_tiny(model_type, tmp_path)
+    hfm = hf.load(str(tmp_path), dtype="float32", device="cpu", tp=1, eos_id=None, pad_id=0)
+    assert hf_decode.static_supported(hfm.model)
 
 
 # ----------------------------------------------------------------------------- the families

@@ -78,6 +78,18 @@ def test_load_picks_the_dynamic_cache_on_cpu(tiny):
     assert hf_decode.static_supported(fresh.model)
 
 
+@pytest.mark.parametrize("window, supported", [(4096, False), (None, True)])
+def test_a_sliding_window_keeps_the_dynamic_cache(window, supported):
+    """The static path builds the plain causal mask: Mistral's default 4096-token window would
+    be dropped for longer sequences, so such a model must not take it."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    cfg = MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                        num_key_value_heads=1, head_dim=16, sliding_window=window)
+    cfg._attn_implementation = "sdpa"
+    assert hf_decode.static_supported(MistralForCausalLM(cfg)) is supported
+
+
 def test_unknown_decode_is_refused(tiny):
     tiny.decode = "paged"
     try:

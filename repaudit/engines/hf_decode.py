@@ -36,11 +36,14 @@ STATIC_FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 
 
 def static_supported(model: torch.nn.Module) -> bool:
+    """Whether generate() may decode this model over a static cache from CUDA graphs."""
     cfg = model.config.get_text_config()
     layer_types = set(getattr(cfg, "layer_types", None) or ["full_attention"])
-    # step_mask hands the attention a 4-D mask: flash-attention-2 would take it for a 2-D one.
+    # static_mask builds the plain causal mask: a sliding window (Mistral's default 4096, or a
+    # family's sliding layers) would need the model's other mask function; and it hands the
+    # attention a 4-D mask, which flash-attention-2 would take for a 2-D one.
     return (cfg.model_type in STATIC_FAMILIES and layer_types == {"full_attention"}
-            and cfg._attn_implementation in ("sdpa", "eager"))
+            and getattr(cfg, "sliding_window", None) is None and cfg._attn_implementation in ("sdpa", "eager"))
 
 
 def new_cache(model: torch.nn.Module, slots: int) -> Any:
