@@ -9,7 +9,7 @@
 #   OUT=dir bash benchmarks/gpu_moe.sh            -> $OUT/moe.md, summary.*, report.*, locate-*.{txt,json}
 #   TP=1 OUT=dir bash benchmarks/gpu_moe.sh       # one GPU: the TP pairs are skipped
 #
-# The run (about 5 minutes on two H100s; NEW caps the generated tokens):
+# The run (traced cells are slow on GPUs: NEW caps the generated tokens, BUDGET the call):
 #   repaudit run --model builtin:qwen3-moe-1.6b --device cuda --tp 1,2 --batch-size 1,8,32
 #     --kernels stock,bi,tbik --mode generate,score --probes default --max-new-tokens 16 --trace
 set -uo pipefail
