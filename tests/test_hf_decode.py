@@ -125,3 +125,40 @@ def test_graph_replays_are_the_eager_static_steps_bit_for_bit(mode):
     if mode != "stock":
         dynamic = _generate(hfm, "dynamic", batch, mode)
         assert all(_bits_equal(a, b) for a, b in zip(dynamic, graphs)), f"{mode}: graphs differ from the dynamic cache"
+
+
+def test_a_refused_capture_leaves_the_cache_where_it_was_and_steps_eagerly(monkeypatch):
+    """When the capture raises (a host sync inside the step), the warm-up's advance of the cache
+    is undone and the step runs eagerly: the cache ends one step further, not two, and every
+    later step is eager too. CUDA is faked; the replay path itself is the GPU test's."""
+    import contextlib
+    from types import SimpleNamespace
+
+    class Refused:
+        def __enter__(self):
+            raise RuntimeError("operation not permitted when stream is capturing\nmore")
+
+        def __exit__(self, *exc):
+            return False
+
+    fake = SimpleNamespace(Stream=lambda: SimpleNamespace(wait_stream=lambda s: None),
+                           current_stream=lambda: SimpleNamespace(wait_stream=lambda s: None),
+                           stream=lambda s: contextlib.nullcontext(), CUDAGraph=object, graph=lambda g: Refused(),
+                           synchronize=lambda: None)
+    monkeypatch.setattr(hf_decode.torch, "cuda", fake)
+    cache = SimpleNamespace(layers=[SimpleNamespace(cumulative_length=torch.tensor(5)) for _ in range(2)])
+    calls = []
+
+    def forward(ids, mask, positions):
+        calls.append(ids.clone())
+        for layer in cache.layers:
+            layer.cumulative_length.add_(1)
+        return ids * 2
+
+    step = hf_decode.GraphedStep(forward, cache)
+    out = step(torch.tensor([[3]]), torch.ones(1, 1, 1, 8, dtype=torch.bool), torch.tensor([[5]]))
+    assert out.tolist() == [[6]]
+    assert step.failed == "operation not permitted when stream is capturing"
+    assert [int(layer.cumulative_length) for layer in cache.layers] == [6, 6]  # warm-up undone, one real step
+    step(torch.tensor([[4]]), torch.ones(1, 1, 1, 8, dtype=torch.bool), torch.tensor([[6]]))
+    assert len(calls) == 3 and step.graph is None  # warm-up, the eager step, then eager again
