@@ -46,7 +46,7 @@ class HFModel:
 def _forward(hfm: HFModel, ids: torch.Tensor, mask: Any, positions: torch.Tensor,
              real: torch.Tensor | None, prompt_ids: list[str], **kwargs) -> torch.Tensor:
     """base_model forward; tells the tracer (if any) which flat rows are real and where they sit.
-    `mask`: a 2-D padding mask, or the masks by layer type as the base model takes them."""
+    `mask`: a 2-D padding mask, or a 4-D one the base model takes as it is (hf_decode.static_mask)."""
     if hfm.tracer is not None:
         flat = real.flatten().nonzero().flatten()
         rows_b = (flat // ids.shape[1]).cpu().numpy()
@@ -314,7 +314,7 @@ def generate(hfm: HFModel, batch: list[Sequence], topk: int) -> tuple[list[Token
     T = max(plens)
     decode = hfm.decode
     if decode == "graphs" and (hfm.tracer is not None or hfm.device.type != "cuda"):
-        decode = "static"  # the tracer's hooks run host code, which a graph cannot replay
+        decode = "static"  # no graphs off CUDA, nor under the tracer, whose hooks run host code
     if decode not in DECODES:
         raise ValueError(f"unknown decode {decode!r}: one of {', '.join(DECODES)}")
     # A static cache's mask spans every slot from the start; the steps fill it in.
@@ -329,8 +329,8 @@ def generate(hfm: HFModel, batch: list[Sequence], topk: int) -> tuple[list[Token
     cache = DynamicCache(config=hfm.model.config) if decode == "dynamic" else hf_decode.new_cache(hfm.model, width)
     pids = [s.prompt_id for s in batch]
 
-    def eager_step(feed: torch.Tensor, masks: Any, pos: torch.Tensor, live: torch.Tensor | None = None) -> torch.Tensor:
-        return _forward(hfm, feed, masks, pos, live, pids, past_key_values=cache, use_cache=True)[:, -1]
+    def eager_step(feed: torch.Tensor, step_mask: Any, pos: torch.Tensor, live: torch.Tensor | None = None) -> torch.Tensor:
+        return _forward(hfm, feed, step_mask, pos, live, pids, past_key_values=cache, use_cache=True)[:, -1]
 
     graphed = hf_decode.GraphedStep(eager_step, cache) if decode == "graphs" else None
     multi_rank = dist.is_initialized() and dist.get_world_size() > 1
@@ -369,14 +369,14 @@ def generate(hfm: HFModel, batch: list[Sequence], topk: int) -> tuple[list[Token
         positions = positions[:, -1:] + 1
         if decode == "dynamic":
             mask = torch.cat([mask, torch.ones((B, 1), dtype=mask.dtype, device=hfm.device)], dim=1)
-            masks = mask
+            step_mask = mask
         else:
             mask[:, T + len(steps) - 1] = 1  # this step's token's slot
-            masks = hf_decode.static_mask(hfm.model, mask, cache, 1)
+            step_mask = hf_decode.static_mask(hfm.model, mask, cache, 1)
         if graphed is not None:
-            h = graphed(feed[:, None], masks, positions)
+            h = graphed(feed[:, None], step_mask, positions)
         else:
-            h = eager_step(feed[:, None], masks, positions, torch.from_numpy(~done).to(hfm.device)[:, None])
+            h = eager_step(feed[:, None], step_mask, positions, torch.from_numpy(~done).to(hfm.device)[:, None])
         step = choose(h)
     _sync(hfm.device)
     timing.decode_s = time.perf_counter() - t1
