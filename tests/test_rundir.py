@@ -71,6 +71,36 @@ def test_the_lock_outlives_a_killed_run_through_its_job(tmp_path: Path):
         pass
 
 
+def test_a_lock_on_its_way_out_is_waited_for(tmp_path: Path, monkeypatch):
+    """The run that wrote the lock is gone and no process shows the file open, yet the flock is
+    still held: the last holder is exiting (a job just SIGKILLed). The next run waits for it
+    (up to rundir.EXITING_HOLDER_S) instead of refusing with "wait for it to end"."""
+    import socket
+
+    from repaudit.run import rundir
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    (tmp_path / ".lock").write_text(f"pid {dead.pid} on {socket.gethostname()}, started 2026-01-01 00:00:00")
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, os, sys, time\n"
+                               "fd = os.open(sys.argv[1], os.O_RDWR); fcntl.flock(fd, fcntl.LOCK_EX)\n"
+                               "print('held', flush=True); time.sleep(0.6)", str(tmp_path / ".lock")],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        monkeypatch.setattr(rundir, "_holding", lambda lock: [])  # as while the kernel closes its files
+        monkeypatch.setattr(rundir, "EXITING_HOLDER_S", 0.0)
+        with pytest.raises(InputError, match="wait for it to end"):
+            RunLock(tmp_path).__enter__()
+        monkeypatch.setattr(rundir, "EXITING_HOLDER_S", 10.0)
+        t0 = time.monotonic()
+        with RunLock(tmp_path):
+            assert time.monotonic() - t0 < 10
+            assert (tmp_path / ".lock").read_text().startswith(f"pid {os.getpid()} on ")
+    finally:
+        _stop(holder)
+
+
 def _events(run_dir: Path, job: str, *pids: int) -> None:
     events = run_dir / "jobs" / "node0" / job
     events.mkdir(parents=True)

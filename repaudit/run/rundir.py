@@ -111,12 +111,21 @@ class RunLock:
 
     def __enter__(self) -> "RunLock":
         self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.read(self.fd, 4096).decode(errors="replace").strip()
-            self._close()
-            raise InputError(_busy(self.path, holder)) from None
+        deadline = time.monotonic() + EXITING_HOLDER_S
+        while True:
+            try:
+                fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                holder = os.read(self.fd, 4096).decode(errors="replace").strip()
+                os.lseek(self.fd, 0, os.SEEK_SET)
+                # The run that wrote the lock is gone and no process we can see has the file open:
+                # the last copy is being closed by a process on its way out (a job just killed).
+                if _exiting(self.path, holder) and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                    continue
+                self._close()
+                raise InputError(_busy(self.path, holder)) from None
         orphans = orphaned_workers(self.path.parent)
         if orphans:
             self.__exit__()
@@ -146,6 +155,15 @@ def _busy(lock: Path, holder: str) -> str:
         still = f"pid {pids} still runs it; wait for it to end or end it (kill {pids})" if pids else "wait for it to end"
         return f"{lock.parent} is in use by a job whose repaudit run is gone ({holder}): {still}, then run again"
     return f"{lock.parent} is in use by another repaudit run ({holder or 'another process'}); wait for it or use another --out"
+
+
+EXITING_HOLDER_S = 3.0  # how long a lock held by no visible process may take to come free
+
+
+def _exiting(lock: Path, holder: str) -> bool:
+    m = re.match(r"pid (\d+) on (\S+),", holder)
+    others = [p for p in _holding(lock) if p != os.getpid()]  # this process has it open to lock it
+    return bool(m and m.group(2) == socket.gethostname() and not _running(int(m.group(1))) and not others)
 
 
 def _running(pid: int) -> bool:
