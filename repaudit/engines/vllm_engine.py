@@ -135,12 +135,18 @@ def process_env(kernels: str) -> dict[str, str]:
             "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1", "VLLM_ALLREDUCE_USE_SYMM_MEM": "0"}
 
 
+def chunk_tokens(scenario: str) -> int | None:
+    """N of a canonical chunked-prefill:N scenario (run/scenarios.parse makes it so), else None."""
+    name, colon, n = scenario.partition(":")
+    return int(n) if name == CHUNKED_PREFILL and colon and n.isdigit() and int(n) > 0 else None
+
+
 def scenario_args(scenario: str) -> dict[str, Any]:
     """A scenario's engine arguments. chunked-prefill:N caps the tokens of one scheduler step at N,
     so a prompt longer than N is prefilled in chunks of N (vLLM needs N >= max_num_seqs)."""
-    name, colon, n = scenario.partition(":")
-    if name == CHUNKED_PREFILL and colon and n.isdigit() and int(n) > 0:
-        return {"enable_chunked_prefill": True, "max_num_batched_tokens": int(n)}
+    n = chunk_tokens(scenario)
+    if n is not None:
+        return {"enable_chunked_prefill": True, "max_num_batched_tokens": n}
     if scenario not in SCENARIO_ARGS:
         raise ValueError(f"unknown scenario {scenario!r}")
     return copy.deepcopy(SCENARIO_ARGS[scenario])

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from ..engines.vllm_engine import chunk_tokens
 from ..errors import InputError
 from . import scenarios
 from .scenarios import COLD
@@ -40,8 +41,8 @@ class Cell:
 
     @property
     def id(self) -> str:
-        scenario = "" if self.scenario == COLD else f"-{scenarios.slug(self.scenario)}"
-        return f"{self.engine}-tp{self.tp}-bs{self.batch_size}-{self.nccl}-{self.kernels}{scenario}-{self.mode}"
+        return (f"{self.engine}-tp{self.tp}-bs{self.batch_size}-{self.nccl}-{self.kernels}"
+                f"{scenarios.id_suffix(self.scenario)}-{self.mode}")
 
     @property
     def group_key(self) -> tuple:
@@ -105,7 +106,7 @@ class LaunchGroup:
         if self.engine != "vllm":
             return base
         first = self.cells[0]
-        return f"{base}-{first.kernels}" + ("" if first.scenario == COLD else f"-{scenarios.slug(first.scenario)}")
+        return f"{base}-{first.kernels}{scenarios.id_suffix(first.scenario)}"
 
 
 @dataclass(frozen=True)
@@ -238,7 +239,7 @@ def _check_scenarios(m: Matrix, notes: list[str]) -> Matrix:
     if others and "hf" in m.engines:
         notes.append(f"hf: scenario {', '.join(others)} applies to vLLM cells only; transformers cells run cold")
     for s in others:
-        n = scenarios.chunk_tokens(s)
+        n = chunk_tokens(s)
         if n is not None and n < max(m.batch_sizes):
             raise InputError(f"--scenario {s}: vLLM needs the prefill chunk ({n} tokens) to be at least the largest "
                              f"--batch-size ({max(m.batch_sizes)}), its max_num_seqs")

@@ -38,14 +38,10 @@ def parse(name: str) -> str:
     return base
 
 
-def chunk_tokens(scenario: str) -> int | None:
-    base, _, n = scenario.partition(":")
-    return int(n) if base == CHUNKED_PREFILL else None
-
-
-def slug(scenario: str) -> str:
-    """The scenario as part of a cell id or file name: no ':' ("chunked-prefill256")."""
-    return scenario.replace(":", "")
+def id_suffix(scenario: str) -> str:
+    """The scenario's part of a cell or launch group id: nothing for cold, else "-" and the name
+    without ':' ("-chunked-prefill256"), as ids name files."""
+    return "" if scenario == COLD else "-" + scenario.replace(":", "")
 
 
 def refusal(scenario: str, kernels: str, mode: str) -> str | None:
