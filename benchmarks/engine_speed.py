@@ -34,22 +34,21 @@ import torch.distributed as dist  # noqa: E402
 
 
 def _prompts(model_id: str, new: int, random: int):
-    """The default suite's prompts, or (random > 0) that many random-token prompts of 64-512
-    tokens drawn as benchmarks/vllm_speed.py draws them: vLLM's workload, for a comparison."""
+    """The default suite's prompts, or (random > 0) the first `random` prompts of
+    benchmarks/vllm_speed.py's workload: the same token ids, for a comparison with vLLM."""
     from types import SimpleNamespace
 
-    import numpy as np
+    from transformers import AutoConfig
 
+    from benchmarks.vllm_speed import random_prompts
     from repaudit.probes import load_suite
     from repaudit.run.model import load_tokenizer, resolve_model, tokenize
 
     ref = resolve_model(model_id)
     tok = load_tokenizer(ref, False)
     if random:
-        rng = np.random.default_rng(0)
-        vocab = len(tok)
-        specs = [SimpleNamespace(id=f"r{i}", tokens=rng.integers(10, vocab - 10, size=int(rng.integers(64, 513))).tolist())
-                 for i in range(random)]
+        vocab = AutoConfig.from_pretrained(str(ref.path)).vocab_size  # as vllm_speed reads it
+        specs = [SimpleNamespace(id=f"r{i}", tokens=t) for i, t in enumerate(random_prompts(vocab, random))]
     else:
         specs = tokenize(load_suite("default"), tok, new, None)
     return ref, tok, specs

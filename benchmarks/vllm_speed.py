@@ -35,7 +35,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "kernels")]
 
 
-def _prompts(vocab: int, n: int, seed: int = 0) -> list[list[int]]:
+def random_prompts(vocab: int, n: int, seed: int = 0) -> list[list[int]]:
+    """The workload: n prompts of 64-512 random token ids below the model's vocabulary size
+    (benchmarks/engine_speed.py --random draws the same ones)."""
     rng = np.random.default_rng(seed)
     return [rng.integers(10, vocab - 10, size=int(rng.integers(64, 513))).tolist() for _ in range(n)]
 
@@ -58,7 +60,7 @@ def one(args) -> dict:
     from repaudit.engines.base import Sequence
 
     vocab = AutoConfig.from_pretrained(args.model).vocab_size
-    prompts = _prompts(vocab, args.prompts)
+    prompts = random_prompts(vocab, args.prompts)
     llm = vllm_engine.load(vllm_engine.engine_args(model_path=args.model, tp=args.tp, dtype="bfloat16",
                                                    batch_size=args.prompts, max_len=512 + args.new + 1, topk=args.topk,
                                                    kernels=args.kernels, extra=json.loads(args.vllm_args)))
