@@ -77,13 +77,17 @@ def main() -> None:
         rows.append({"device": device, "model": args.model, "probes": args.probes, "mode": mode, "batch": args.batch_size,
                      "untraced_s": plain, "traced_s": traced, "ratio": traced / plain,
                      "command": " ".join(["python3 benchmarks/trace_bench.py", *sys.argv[1:]])})
-    if args.json:
-        path = Path(args.json)
-        old = json.loads(path.read_text()) if path.exists() else []
-        keep = [r for r in old if (r["device"], r["batch"], r["probes"]) != (device, args.batch_size, args.probes)]
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(keep + rows, indent=1))
+        if args.json:  # after every mode: a run cut short keeps what it measured
+            _write(Path(args.json), device, args, rows)
 
+
+def _write(path: Path, device: str, args, rows: list[dict]) -> None:
+    old = json.loads(path.read_text()) if path.exists() else []
+    keep = [r for r in old if (r["device"], r["batch"], r["probes"]) != (device, args.batch_size, args.probes)]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(keep + rows, indent=1))
+    tmp.replace(path)
 
 if __name__ == "__main__":
     main()

@@ -108,6 +108,46 @@ def test_graphs_fall_back_to_eager_static_steps_off_cuda(tiny):
     assert all(_bits_equal(a, b) for a, b in zip(static, graphs))
 
 
+@pytest.mark.parametrize("mode, attn", [("stock", "sdpa"), ("stock", "eager"), ("tbik", None)])
+def test_advanced_masks_are_the_mask_functions_answers_bit_for_bit(tiny, mode, attn):
+    """generate() makes each decode step's mask after the first with advance_mask, on the device;
+    at every step it must be exactly what the model's own mask function (static_mask) answers
+    for that step, in every form a mask function gives: sdpa's boolean 4-D, eager's additive
+    4-D, the 2-D padding mask tbik's attention takes."""
+    batch = _batch(new=7)
+    B, T = len(batch), max(len(s.prompt) for s in batch)
+    width = T + 7
+    ids = torch.zeros((B, T), dtype=torch.long)
+    mask2d = torch.zeros((B, width), dtype=torch.long)
+    for b, s in enumerate(batch):
+        ids[b, T - len(s.prompt):] = torch.tensor(s.prompt)
+        mask2d[b, T - len(s.prompt):T] = 1
+    positions = (mask2d[:, :T].cumsum(-1) - 1).clamp(min=0)
+    before = tiny.model.config._attn_implementation
+    try:
+        if attn:
+            tiny.model.set_attn_implementation(attn)
+        with kernel_mode(tiny, mode), torch.inference_mode():
+            cache = hf_decode.new_cache(tiny.model, width)
+            forward = lambda x, m, p: tiny.model.base_model(input_ids=x, attention_mask=m, position_ids=p,  # noqa: E731
+                                                            past_key_values=cache, use_cache=True)
+            forward(ids, hf_decode.static_mask(tiny.model, mask2d, cache, T), positions)
+            advanced = None
+            forms = set()
+            for slot in range(T, width - 1):
+                mask2d[:, slot] = 1
+                own = hf_decode.static_mask(tiny.model, mask2d, cache, 1)
+                advanced = own if advanced is None else hf_decode.advance_mask(advanced, slot)
+                forms.add((own.dtype, own.shape[-2]))
+                assert advanced.dtype == own.dtype and advanced.shape == own.shape
+                assert torch.equal(advanced, own), f"slot {slot}: the advanced mask is not the mask function's"
+                positions = positions[:, -1:] + 1
+                forward(torch.full((B, 1), 5), advanced, positions)
+    finally:
+        tiny.model.set_attn_implementation(before)
+    assert len(forms) == 1 and slot == width - 2
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("mode", ["stock", "bi", "tbik"])
@@ -153,11 +193,11 @@ def test_a_refused_capture_leaves_the_cache_where_it_was_and_steps_eagerly(monke
         calls.append(ids.clone())
         for layer in cache.layers:
             layer.cumulative_length.add_(1)
-        return ids * 2
+        return {"twice": ids * 2}
 
     step = hf_decode.GraphedStep(forward, cache)
     out = step(torch.tensor([[3]]), torch.ones(1, 1, 1, 8, dtype=torch.bool), torch.tensor([[5]]))
-    assert out.tolist() == [[6]]
+    assert out["twice"].tolist() == [[6]]
     assert step.failed == "operation not permitted when stream is capturing"
     assert [int(layer.cumulative_length) for layer in cache.layers] == [6, 6]  # warm-up undone, one real step
     step(torch.tensor([[4]]), torch.ones(1, 1, 1, 8, dtype=torch.bool), torch.tensor([[6]]))

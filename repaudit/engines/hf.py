@@ -26,6 +26,9 @@ from .base import Sequence, Timing, TokenRows, canonical_topk
 
 LOGIT_ROWS_PER_CHUNK = 256
 DECODES = ("dynamic", "static", "graphs")  # KV cache and step of generate(): see hf_decode
+# How often (in steps) generate's host looks whether every row is done: each look waits for the
+# device; between looks the host queues steps ahead of it.
+DONE_CHECK_EVERY = 8
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -306,7 +309,12 @@ def score(hfm: HFModel, batch: list[Sequence], topk: int) -> tuple[list[TokenRow
 def generate(hfm: HFModel, batch: list[Sequence], topk: int) -> tuple[list[TokenRows], Timing]:
     """Greedy decoding with a KV cache (hfm.decode says which, and whether a CUDA graph replays
     the steps); left padding. Records every generated token, the EOS included (the prompt's
-    positions are a score cell's job)."""
+    positions are a score cell's job).
+
+    The loop never waits for the device between steps: which rows are done, and what they feed
+    next, is decided on the device from the step's own outputs, and the host looks only every
+    DONE_CHECK_EVERY steps whether every row is done (a batch may thus run a few steps past its
+    end; those steps' rows are not recorded, and no recorded row depends on them)."""
     from transformers import DynamicCache
 
     B = len(batch)
@@ -317,8 +325,9 @@ def generate(hfm: HFModel, batch: list[Sequence], topk: int) -> tuple[list[Token
         decode = "static"  # no graphs off CUDA, nor under the tracer, whose hooks run host code
     if decode not in DECODES:
         raise ValueError(f"unknown decode {decode!r}: one of {', '.join(DECODES)}")
+    max_new = max(s.max_new_tokens for s in batch)
     # A static cache's mask spans every slot from the start; the steps fill it in.
-    width = T + max(s.max_new_tokens for s in batch) if decode != "dynamic" else T
+    width = T + max_new if decode != "dynamic" else T
     ids = torch.full((B, T), hfm.pad_id, dtype=torch.long)
     mask = torch.zeros((B, width), dtype=torch.long)
     for b, s in enumerate(batch):
@@ -328,11 +337,6 @@ def generate(hfm: HFModel, batch: list[Sequence], topk: int) -> tuple[list[Token
     positions = (mask[:, :T].cumsum(-1) - 1).clamp(min=0)
     cache = DynamicCache(config=hfm.model.config) if decode == "dynamic" else hf_decode.new_cache(hfm.model, width)
     pids = [s.prompt_id for s in batch]
-
-    def eager_step(feed: torch.Tensor, step_mask: Any, pos: torch.Tensor, live: torch.Tensor | None = None) -> torch.Tensor:
-        return _forward(hfm, feed, step_mask, pos, live, pids, past_key_values=cache, use_cache=True)[:, -1]
-
-    graphed = hf_decode.GraphedStep(eager_step, cache) if decode == "graphs" else None
     multi_rank = dist.is_initialized() and dist.get_world_size() > 1
 
     def choose(hidden_last: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -343,6 +347,14 @@ def generate(hfm: HFModel, batch: list[Sequence], topk: int) -> tuple[list[Token
             dist.broadcast(nxt, src=0)
         return {**_extract(logits, lp, nxt, topk), "chosen": nxt}
 
+    def eager_step(feed: torch.Tensor, step_mask: Any, pos: torch.Tensor, live: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        hidden = _forward(hfm, feed, step_mask, pos, live, pids, past_key_values=cache, use_cache=True)
+        return choose(hidden[:, -1])
+
+    # The whole step, head and record values included, is one graph: between replays the host
+    # only copies the next inputs in.
+    graphed = hf_decode.GraphedStep(eager_step, cache) if decode == "graphs" else None
+
     _sync(hfm.device)
     t0 = time.perf_counter()
     first = mask if decode == "dynamic" else hf_decode.static_mask(hfm.model, mask, cache, T)
@@ -351,39 +363,42 @@ def generate(hfm: HFModel, batch: list[Sequence], topk: int) -> tuple[list[Token
     _sync(hfm.device)
     timing = Timing(prefill_s=time.perf_counter() - t0, prefill_tokens=sum(plens))
 
-    limits = np.array([s.max_new_tokens for s in batch])
-    gen_len = np.zeros(B, dtype=np.int64)  # generated tokens so far, per sequence
-    done = np.zeros(B, dtype=bool)
-    steps: list[dict[str, np.ndarray]] = []
+    limits = torch.tensor([s.max_new_tokens for s in batch], device=hfm.device)
+    eos = hfm.eos_id if hfm.eos_id is not None else -1
+    gen_len = torch.zeros(B, dtype=torch.long, device=hfm.device)  # generated tokens so far, per sequence
+    done = torch.zeros(B, dtype=torch.bool, device=hfm.device)
+    steps: list[dict[str, torch.Tensor]] = []
+    step_mask = None
     t1 = time.perf_counter()
-    while True:
-        vals = _host(step)
-        steps.append(vals)
-        gen_len[~done] += 1
-        done |= (vals["chosen"] == hfm.eos_id) | (gen_len >= limits)
-        if done.all():
+    for n in range(1, max_new + 1):  # step n's values are each row's n-th generated token
+        steps.append(step)
+        gen_len += ~done
+        done |= (step["chosen"] == eos) | (gen_len >= limits)
+        if n == max_new or (n % DONE_CHECK_EVERY == 0 and bool(done.all())):
             break
-        timing.decode_tokens += int((~done).sum())
         # Finished rows keep decoding a pad token, as generate() does; their rows are not recorded.
-        feed = torch.where(torch.from_numpy(done).to(hfm.device), torch.full_like(step["chosen"], hfm.pad_id), step["chosen"])
+        feed = torch.where(done, hfm.pad_id, step["chosen"])[:, None]
         positions = positions[:, -1:] + 1
+        slot = T + n - 1  # the cache slot this step's token goes to
         if decode == "dynamic":
             mask = torch.cat([mask, torch.ones((B, 1), dtype=mask.dtype, device=hfm.device)], dim=1)
             step_mask = mask
-        else:
-            mask[:, T + len(steps) - 1] = 1  # this step's token's slot
+        elif step_mask is None:
+            mask[:, slot] = 1
             step_mask = hf_decode.static_mask(hfm.model, mask, cache, 1)
-        if graphed is not None:
-            h = graphed(feed[:, None], step_mask, positions)
         else:
-            h = eager_step(feed[:, None], step_mask, positions, torch.from_numpy(~done).to(hfm.device)[:, None])
-        step = choose(h)
-    _sync(hfm.device)
+            step_mask = hf_decode.advance_mask(step_mask, slot)
+        if graphed is not None:
+            step = graphed(feed, step_mask, positions)
+        else:
+            step = eager_step(feed, step_mask, positions, ~done[:, None])
+    gen_len = gen_len.cpu().numpy()
     timing.decode_s = time.perf_counter() - t1
+    timing.decode_tokens = int(gen_len.sum()) - B  # every row's first token came from the prefill
     if graphed is not None and graphed.failed:
         warnings.warn(f"decode steps ran without a CUDA graph (same bits, slower): {graphed.failed}", stacklevel=2)
 
-    stacked = {k: np.stack([s[k] for s in steps]) for k in steps[0]}  # [steps, B, ...]
+    stacked = _host({k: torch.stack([s[k] for s in steps]) for k in steps[0]})  # [steps, B, ...]
     rows = []
     for b, s in enumerate(batch):
         n_gen = int(gen_len[b])
@@ -391,4 +406,3 @@ def generate(hfm: HFModel, batch: list[Sequence], topk: int) -> tuple[list[Token
         rows.append(_to_rows(s.prompt_id, plens[b], np.arange(plens[b], plens[b] + n_gen), per_b["chosen"],
                              per_b, np.arange(n_gen), topk))
     return rows, timing
-

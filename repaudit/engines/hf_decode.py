@@ -54,20 +54,22 @@ def new_cache(model: torch.nn.Module, slots: int) -> Any:
 
 @dataclass
 class GraphedStep:
-    """One decode step of a batch, its base-model forward captured once and replayed.
+    """One decode step of a batch, captured once and replayed.
 
     `forward(ids, mask, positions)` must be the eager step (the base model's forward on the
-    static cache, returning the last position's hidden states); the graph records exactly it.
+    static cache, then whatever the caller computes from its hidden states), returning a dict
+    of tensors; the graph records exactly it. A call returns fresh tensors: the graph's own
+    outputs are rewritten by the next replay.
     """
 
-    forward: Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor], torch.Tensor]
+    forward: Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor], dict[str, torch.Tensor]]
     cache: Any
     inputs: tuple[torch.Tensor, ...] = ()  # ids, mask, positions: the graph's fixed buffers
-    hidden: torch.Tensor | None = None
+    outputs: dict[str, torch.Tensor] | None = None
     graph: Any = None
     failed: str | None = None  # why the capture was refused; the steps then run eagerly
 
-    def __call__(self, ids: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor) -> torch.Tensor:
+    def __call__(self, ids: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor) -> dict[str, torch.Tensor]:
         if self.failed is not None or mask is None:  # a graph's inputs are fixed tensors
             return self.forward(ids, mask, positions)
         if self.graph is None:
@@ -78,9 +80,9 @@ class GraphedStep:
                                    f"{tuple(x.shape)} {x.dtype} after the graph was captured")
             buf.copy_(x)
         self.graph.replay()
-        return self.hidden
+        return {k: v.clone() for k, v in self.outputs.items()}
 
-    def _capture(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def _capture(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor) -> dict[str, torch.Tensor]:
         self.inputs = (ids.clone(), mask.clone(), positions.clone())
         lengths = _cache_lengths(self.cache)
         stream = torch.cuda.Stream()
@@ -94,7 +96,7 @@ class GraphedStep:
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph):
-                self.hidden = self.forward(*self.inputs)
+                self.outputs = self.forward(*self.inputs)
         except RuntimeError as exc:  # a host sync or an unsupported op inside the step
             self.failed = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             torch.cuda.synchronize()
@@ -102,7 +104,7 @@ class GraphedStep:
             return self.forward(ids, mask, positions)
         self.graph = graph
         graph.replay()
-        return self.hidden
+        return {k: v.clone() for k, v in self.outputs.items()}
 
 
 def _cache_lengths(cache: Any) -> list[torch.Tensor]:
@@ -132,3 +134,17 @@ def static_mask(model: torch.nn.Module, mask2d: torch.Tensor, cache: Any, querie
     if mask is None:  # the causal mask alone (sdpa's is_causal), or every slot is a real key
         return None
     return mask[:, None, None, :] if mask.dim() == 2 else mask
+
+
+def advance_mask(step_mask: torch.Tensor, slot: int) -> torch.Tensor:
+    """The next decode step's mask from this step's (static_mask's answer for one query), made
+    on the device without the mask function's host work: the step's query moves to `slot`, and
+    the only entry that changes is that slot's key, which becomes what the previous slot's is.
+    Both are keys of real tokens at or before the query (the last prompt token or a generated
+    one, in every row, finished rows included: they decode a pad token that the padding mask
+    counts as real, as generate() does), so the value is "allowed" in whatever form the mask
+    function gave (True, 0.0, 1). tests/test_hf_decode.py checks it equals static_mask's answer
+    at every step, bit for bit."""
+    nxt = step_mask.clone()
+    nxt[..., slot] = step_mask[..., slot - 1]
+    return nxt
