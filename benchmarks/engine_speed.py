@@ -209,6 +209,8 @@ def _profile(out_dir: str | None, name: str, base, mine) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     for label, fn in (("baseline", base), ("repaudit", mine)):
+        if fn is None:  # --no-baseline
+            continue
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             _timed(fn)
         if out_dir is None:

@@ -161,3 +161,53 @@ def test_report_shows_the_first_divergent_module_of_traced_pairs(traced: Path):
     assert f"<code>{truth.first.name}</code>" in html  # the stock TP=2 pair's first divergent module
     assert "## Where in the model the bits first change" in md and f"`{truth.first.name}`" in md
     assert "no module output differs" in md  # the tbik pair
+
+
+def test_trace_table_rows_are_each_module_call_at_each_token_once():
+    """The table built from a traced model whose one Linear runs twice per forward (a shared
+    module): every (prompt, position, module) once, the shared module's first call kept, each
+    row's digest that of the output row at that token, computed here independently."""
+    import numpy as np
+    import torch
+
+    from repaudit.record.digest import numpy_row_digest
+    from repaudit.run.trace import Tracer
+
+    class Shared(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = torch.nn.Linear(4, 4)
+            self.out = torch.nn.Linear(4, 3)
+
+        def forward(self, x):
+            return self.out(self.inner(self.inner(x)))
+
+        def get_output_embeddings(self):
+            return None
+
+    torch.manual_seed(0)
+    model = Shared()
+    tracer = Tracer(model, tp=1)
+    x = [torch.randn(2, 3, 4), torch.randn(1, 2, 4)]
+    real = [torch.tensor([1, 2, 4, 5]), torch.tensor([0, 1])]  # flat rows; row 0 and 3 of the first are padding
+    pids = [np.array(["b", "b", "a", "a"], dtype=object), np.array(["c", "c"], dtype=object)]
+    positions = [np.array([7, 8, 3, 4]), np.array([0, 1])]
+    expected = {}
+    for xb, rows, pid, pos in zip(x, real, pids, positions):
+        tracer.begin(xb.shape[0], xb.shape[1], rows, pid, pos)
+        with torch.no_grad():
+            model(xb)
+        tracer.end()
+        with torch.no_grad():
+            once = model.inner(xb).reshape(-1, 4)[rows].numpy()  # the first call of the shared module
+            out = model.out(model.inner(model.inner(xb))).reshape(-1, 3)[rows].numpy()
+        for name, value in (("inner", once), ("out", out)):
+            for p, q, row in zip(pid, pos, numpy_row_digest(value)):
+                expected[(p, int(q), name)] = int(row)
+    table, infos = tracer.finish()
+    got = {(p, q, m): d for p, q, m, d in zip(table["prompt_id"].to_pylist(), table["pos"].to_pylist(),
+                                              table["module"].to_pylist(), table["digest"].to_pylist())}
+    assert table.num_rows == len(got) == len(expected) == 12
+    assert got == expected
+    assert [i.name for i in infos] == ["inner", "out"]
+    assert set(zip(table["module"].to_pylist(), table["order"].to_pylist())) == {("inner", 0), ("out", 1)}

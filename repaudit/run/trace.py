@@ -198,33 +198,47 @@ class Tracer:
                 self.calls[n].digests, self.calls[n].samples = [d], [s.reshape(-1, SAMPLES)]
         if self.rank != 0 or not names:
             return None
-        columns: dict[str, list] = {k: [] for k in ("prompt_id", "pos", "module", "order", "digest", "sample")}
-        experts: list[np.ndarray | None] = []  # per module: its rows' sorted expert ids, routing rows only
-        for n in names:
-            c = self.calls[n]
-            pids, pos = self._rows_of(c)
-            columns["prompt_id"].append(pids)
-            columns["pos"].append(pos.astype(np.int32))
-            columns["module"].append(np.full(len(pos), n, dtype=object))
-            columns["order"].append(np.full(len(pos), c.info.order, dtype=np.int32))
-            columns["digest"].append(torch.cat(c.digests).cpu().numpy().view(np.uint64))
-            columns["sample"].append(torch.cat(c.samples).cpu().numpy().astype(np.uint32))
-            experts.append(torch.cat(c.experts).cpu().numpy() if c.info.routing else None)
-        cat = {k: np.concatenate(v) for k, v in columns.items()}
-        order = np.lexsort((cat["order"], cat["pos"], cat["prompt_id"].astype(str)))
-        keep = _first_of_each(cat["prompt_id"][order], cat["pos"][order], cat["order"][order])
-        sel = order[keep]
-        samples = cat["sample"][sel]
+        calls = [self.calls[n] for n in names]
+        prompts, (code, pos), token_of_key, disjoint = self._tokens()
+        # Rows stay as they were recorded, module by module in execution order (each module's
+        # rows in the order of its calls): a trace holds tokens x modules rows, tens of millions
+        # for a suite of long prompts, and no reader needs another order (locate joins on keys).
+        tokens = [np.concatenate([token_of_key[k] for k in c.keys]) for c in calls]
+        counts = [len(t) for t in tokens]
+        kept = [_first_calls(t, disjoint and len(set(c.keys)) == len(c.keys)) for t, c in zip(tokens, calls)]
+        sel = None if all(k is None for k in kept) else np.concatenate(
+            [np.arange(n) + start if k is None else k + start for k, n, start in zip(kept, counts, np.cumsum([0, *counts]))])
+        token = np.concatenate(tokens)
+        module = np.repeat(np.arange(len(calls), dtype=np.int32), counts)
+        # One copy off the device per column; a sample's uint32 bits are made on the device.
+        digest = torch.cat([d for c in calls for d in c.digests]).cpu().numpy().view(np.uint64)
+        sample = torch.cat([x for c in calls for x in c.samples]).to(torch.int32).cpu().numpy().view(np.uint32)
+        experts = [torch.cat(c.experts).cpu().numpy() if c.info.routing else None for c in calls]
+        if sel is not None:
+            token, module, digest, sample = token[sel], module[sel], digest[sel], sample[sel]
         table = pa.Table.from_arrays([
-            pa.array(cat["prompt_id"][sel].astype(str)).dictionary_encode(),
-            pa.array(cat["pos"][sel]),
-            pa.array(cat["module"][sel].astype(str)).dictionary_encode(),
-            pa.array(cat["order"][sel]),
-            pa.array(cat["digest"][sel]),
-            pa.FixedSizeListArray.from_arrays(pa.array(samples.reshape(-1)), SAMPLES),
-            _experts_column([len(p) for p in columns["pos"]], experts, sel),
+            pa.DictionaryArray.from_arrays(pa.array(code[token]), pa.array(prompts, pa.string())),
+            pa.array(pos[token]),
+            pa.DictionaryArray.from_arrays(pa.array(module), pa.array(names, pa.string())),
+            pa.array(np.array([c.info.order for c in calls], dtype=np.int32)[module]),
+            pa.array(digest),
+            pa.FixedSizeListArray.from_arrays(pa.array(sample.reshape(-1)), SAMPLES),
+            _experts_column(counts, experts, sel),
         ], schema=SCHEMA)
-        return table, [self.calls[n].info for n in names]
+        return table, [c.info for c in calls]
+
+    def _tokens(self) -> tuple[list[str], tuple[np.ndarray, np.ndarray], list[np.ndarray], bool]:
+        """The traced tokens (prompt, position): the sorted prompt ids, each token's (prompt code,
+        position), per forward the token of each of its rows, and whether no token is in two
+        forwards."""
+        pids = np.concatenate([p for p, _ in self._keys]).astype(str)
+        pos = np.concatenate([q for _, q in self._keys]).astype(np.int64)
+        prompts, code = np.unique(pids, return_inverse=True)
+        span = int(pos.max()) + 1 if len(pos) else 1
+        tokens, token = np.unique(code.astype(np.int64) * span + pos, return_inverse=True)
+        split = np.cumsum([len(q) for _, q in self._keys])[:-1]
+        return (prompts.tolist(), ((tokens // span).astype(np.int32), (tokens % span).astype(np.int32)),
+                np.split(token, split), len(tokens) == len(pos))
 
     def _rows_of(self, calls: _Calls) -> tuple[np.ndarray, np.ndarray]:
         """(prompt id, position) of each digest row of a module, in the order they were recorded."""
@@ -250,28 +264,33 @@ class Tracer:
                 info.first_disagreement = {"prompt_id": str(pids[first]), "pos": int(pos[first])}
 
 
-def _experts_column(row_counts: list[int], ids: list[np.ndarray | None], sel: np.ndarray) -> pa.Array:
-    """The trace's `experts` column in row order `sel`: each routing row's sorted ids, null on
-    every other row. Per module, in the order its rows were concatenated: its row count and its
-    ids [rows, k] (None for a module that is not a router's choice)."""
+def _experts_column(row_counts: list[int], ids: list[np.ndarray | None], sel: np.ndarray | None) -> pa.Array:
+    """The trace's `experts` column in row order `sel` (None: every row as concatenated): each
+    routing row's sorted ids, null on every other row. Per module, in the order its rows were
+    concatenated: its row count and its ids [rows, k] (None for a module that is not a router's
+    choice)."""
+    if all(e is None for e in ids):
+        return pa.nulls(sum(row_counts) if sel is None else len(sel), pa.list_(pa.int32()))
     width = np.concatenate([np.full(n, -1 if e is None else e.shape[1], dtype=np.int64)
-                            for n, e in zip(row_counts, ids)] or [np.zeros(0, np.int64)])
-    values = np.concatenate([e.reshape(-1) for e in ids if e is not None] or [np.zeros(0)]).astype(np.int32)
+                            for n, e in zip(row_counts, ids)])
+    values = np.concatenate([e.reshape(-1) for e in ids if e is not None]).astype(np.int32)
     length = np.maximum(width, 0)
     start = np.cumsum(length) - length  # where each row's ids begin in `values`
-    w = length[sel]
-    offsets = np.concatenate(([0], np.cumsum(w))).astype(np.int32)
-    gather = np.repeat(start[sel] - offsets[:-1], w) + np.arange(offsets[-1])
+    if sel is not None:
+        width, length, start = width[sel], length[sel], start[sel]
+    offsets = np.concatenate(([0], np.cumsum(length))).astype(np.int32)
+    gather = np.repeat(start - offsets[:-1], length) + np.arange(offsets[-1])
     return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values[gather], type=pa.int32()),
-                                    mask=pa.array(width[sel] < 0))
+                                    mask=pa.array(width < 0))
 
 
-def _first_of_each(pid: np.ndarray, pos: np.ndarray, order: np.ndarray) -> np.ndarray:
-    """A module called twice at one position (a shared module) keeps its first call."""
-    if not len(pid):
-        return np.zeros(0, dtype=bool)
-    same = (pid[1:] == pid[:-1]) & (pos[1:] == pos[:-1]) & (order[1:] == order[:-1])
-    return np.concatenate(([True], ~same))
+def _first_calls(token: np.ndarray, distinct: bool) -> np.ndarray | None:
+    """Which of a module's rows to keep: a module called twice at one token (a shared module)
+    keeps its first call. None: every row (`distinct`: no token can be there twice)."""
+    if distinct:
+        return None
+    first = np.sort(np.unique(token, return_index=True)[1])
+    return None if len(first) == len(token) else first
 
 
 def _sharded(style: str | None, at_input: bool, input_is_shard) -> bool:
