@@ -108,6 +108,31 @@ def test_graphs_fall_back_to_eager_static_steps_off_cuda(tiny):
     assert all(_bits_equal(a, b) for a, b in zip(static, graphs))
 
 
+@pytest.mark.parametrize("decode", ["dynamic", "static"])
+def test_rows_end_at_their_eos_with_the_bits_of_a_run_without_one(tiny, decode):
+    """generate() decides on the device which rows are done and looks only every few steps
+    whether all are: a row ends at its first EOS (recorded), and every recorded value is the
+    one a run without an EOS computes at that step (tbik: rows do not depend on each other)."""
+    batch = _batch(seed=5, new=20)
+    full = _generate(tiny, decode, batch, "tbik")
+    eos = int(full[0].token_id[3])
+    tiny.eos_id = eos
+    try:
+        tiny.decode = decode
+        with kernel_mode(tiny, "tbik"):
+            ended, timing = hf.generate(tiny, batch, topk=3)
+    finally:
+        tiny.eos_id = None
+    for f, e in zip(full, ended):
+        hits = np.flatnonzero(f.token_id == eos)
+        n = int(hits[0]) + 1 if len(hits) else len(f.pos)
+        assert len(e.pos) == n, f"{f.prompt_id}: {len(e.pos)} rows, its first EOS is row {n}"
+        cut = {k: getattr(f, k)[:n] for k in ("pos", "token_id", "logprob", "top1", "topk_ids", "topk_logprobs", "digest")}
+        assert _bits_equal(type(f)(prompt_id=f.prompt_id, prompt_len=f.prompt_len, **cut), e)
+    assert len(ended[0].pos) <= 4 and any(len(e.pos) < len(f.pos) for e, f in zip(ended, full))
+    assert timing.decode_tokens == sum(len(e.pos) for e in ended) - len(batch)
+
+
 @pytest.mark.parametrize("mode, attn", [("stock", "sdpa"), ("stock", "eager"), ("tbik", None)])
 def test_advanced_masks_are_the_mask_functions_answers_bit_for_bit(tiny, mode, attn):
     """generate() makes each decode step's mask after the first with advance_mask, on the device;
