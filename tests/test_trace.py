@@ -166,7 +166,8 @@ def test_report_shows_the_first_divergent_module_of_traced_pairs(traced: Path):
 def test_trace_table_rows_are_each_module_call_at_each_token_once():
     """The table built from a traced model whose one Linear runs twice per forward (a shared
     module): every (prompt, position, module) once, the shared module's first call kept, each
-    row's digest that of the output row at that token, computed here independently."""
+    row's digest and sampled bits those of the output row at that token, computed here
+    independently."""
     import numpy as np
     import torch
 
@@ -202,11 +203,15 @@ def test_trace_table_rows_are_each_module_call_at_each_token_once():
             once = model.inner(xb).reshape(-1, 4)[rows].numpy()  # the first call of the shared module
             out = model.out(model.inner(model.inner(xb))).reshape(-1, 3)[rows].numpy()
         for name, value in (("inner", once), ("out", out)):
-            for p, q, row in zip(pid, pos, numpy_row_digest(value)):
-                expected[(p, int(q), name)] = int(row)
+            # Negative values: sample bits above 2^31 must come through as they are.
+            picked = np.linspace(0, value.shape[1] - 1, SAMPLES).round().astype(int)
+            bits = np.ascontiguousarray(value, dtype=np.float32).view(np.uint32)[:, picked]
+            for p, q, row, sample in zip(pid, pos, numpy_row_digest(value), bits):
+                expected[(p, int(q), name)] = (int(row), sample.tolist())
     table, infos = tracer.finish()
-    got = {(p, q, m): d for p, q, m, d in zip(table["prompt_id"].to_pylist(), table["pos"].to_pylist(),
-                                              table["module"].to_pylist(), table["digest"].to_pylist())}
+    got = {(p, q, m): (d, x) for p, q, m, d, x in zip(table["prompt_id"].to_pylist(), table["pos"].to_pylist(),
+                                                      table["module"].to_pylist(), table["digest"].to_pylist(),
+                                                      table["sample"].to_pylist())}
     assert table.num_rows == len(got) == len(expected) == 12
     assert got == expected
     assert [i.name for i in infos] == ["inner", "out"]
