@@ -95,3 +95,44 @@ def test_fused_tree_sum_kernel_matches_torch_adds(p):
     scales = torch.logspace(0, 6, p)[:, None, None]
     stacked = torch.randn(p, 3, 700, generator=torch.Generator().manual_seed(p)) * scales
     assert torch.equal(tree_sum_triton(stacked).view(torch.int32), tbik.tree_sum(list(stacked)).view(torch.int32))
+
+
+SIZES = (1000, 3, 1)  # a message shorter than the group too: the halving pads it to P chunks
+
+
+def partial_of(rank: int, n: int) -> torch.Tensor:
+    # Magnitudes 1 to 1000 apart: a sum in any other order than the tree's would round differently.
+    return torch.randn(n, generator=torch.Generator().manual_seed(100 * rank + n)) * 10.0 ** (rank % 4)
+
+
+def algorithms_worker(rank: int, world: int, port: int, results) -> None:
+    tbik.use_interpreter()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        results[rank] = {(algorithm, n): tbik.tree_all_reduce(partial_of(rank, n).reshape(n, 1), algorithm=algorithm)
+                         for algorithm in ("gather", "halving") for n in SIZES}
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_both_tree_all_reduce_algorithms_give_the_tree_sums_bits_on_every_rank(world):
+    """The recursive halving (the bandwidth-optimal algorithm for TP=4 and 8) and the gather give
+    the same bits: those of tbik.tree_sum over the partials in rank order, on every rank."""
+    results = spawn(algorithms_worker, world)
+    for n in SIZES:
+        expected = tbik.tree_sum([partial_of(r, n) for r in range(world)]).view(torch.int32)
+        flat = torch.stack([partial_of(r, n) for r in range(world)]).sum(0).view(torch.int32)
+        for rank in range(world):
+            for algorithm in ("gather", "halving"):
+                got = results[rank][(algorithm, n)]
+                assert got.shape == (n, 1)
+                assert torch.equal(got.reshape(-1).view(torch.int32), expected), f"{algorithm}, P={world}, n={n}, rank {rank}"
+        if n == 1000 and world > 2:  # the tree's order is not torch's: the test can tell them apart
+            assert not torch.equal(flat, expected)
+
+
+def test_an_unknown_algorithm_is_refused():
+    with pytest.raises(ValueError, match="unknown tree all-reduce algorithm 'ring'"):
+        tbik.tree_all_reduce(torch.ones(2), algorithm="ring")

@@ -2,9 +2,19 @@
 
 NCCL's all-reduce picks ring or tree algorithms, channel counts and chunkings from the message
 size and the topology, so its summation order (and the bits) can change with P, the message
-size and the NCCL version, and ranks are not promised identical bits. Here every rank gathers
-all P partials (all_gather_into_tensor, a pure copy) and adds them itself in the fixed order
-((p0+p1)+(p2+p3))+..., which is also the top of the TBIK matmul tree.
+size and the NCCL version, and ranks are not promised identical bits. Here the partials are
+added in the fixed order ((p0+p1)+(p2+p3))+..., which is also the top of the TBIK matmul tree,
+by one of two algorithms that give the same bits:
+
+- "gather": every rank gathers all P partials (one all-gather, a pure copy) and adds them
+  itself. One collective; each rank receives (P-1) x the message.
+- "halving": recursive halving, then an all-gather (Rabenseifner's all-reduce). At level k a
+  rank and its partner rank ^ 2^k swap halves of the segment they hold and each adds the half
+  it keeps: partners at level k hold the trees of 2^k neighbouring ranks, so level by level the
+  sums are exactly the pairwise tree's (fp32 addition is commutative, so which side adds does
+  not matter). Each rank then holds the finished tree of 1/P of the message, and an all-gather
+  (a copy) gives everyone the whole. 2 log2(P) steps; each rank sends and receives 2(P-1)/P x
+  the message, as a ring all-reduce does, where "gather" moves (P-1) x.
 """
 
 from __future__ import annotations
@@ -55,19 +65,58 @@ def tree_sum(partials: Sequence[torch.Tensor] | torch.Tensor) -> torch.Tensor:
     return allreduce.tree_sum(stacked if isinstance(partials, torch.Tensor) else torch.stack(list(partials)))
 
 
-def tree_all_reduce(partial: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+ALGORITHMS = ("gather", "halving")
+
+
+def tree_all_reduce(partial: torch.Tensor, group: dist.ProcessGroup | None = None,
+                    algorithm: str = "gather") -> torch.Tensor:
     """All-reduce over `group` whose result is the pairwise tree over ranks in rank order.
 
-    Every rank returns identical bits: for P=4, (p0+p1)+(p2+p3). P must be a power of two.
-    Works with gloo (CPU tensors) and NCCL (CUDA tensors). Returns a new tensor; `partial`
-    is left as it is.
+    Every rank returns identical bits: for P=4, (p0+p1)+(p2+p3), whichever `algorithm` (module
+    doc). P must be a power of two. Works with gloo (CPU tensors) and NCCL (CUDA tensors).
+    Returns a new tensor; `partial` is left as it is.
     """
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"unknown tree all-reduce algorithm {algorithm!r}: one of {', '.join(ALGORITHMS)}")
     world = dist.get_world_size(group)
     _check_power_of_two(world, "the process group size")
     x = partial.contiguous()
     if world == 1:
         return x.clone()
+    if algorithm == "halving":
+        return _halving(x.reshape(-1), world, group).view(x.shape)
     # Flat buffers: gloo and NCCL both accept a 1-D output of world * numel elements.
     gathered = torch.empty(world * x.numel(), dtype=x.dtype, device=x.device)
     _all_gather(gathered, x.reshape(-1), group=group)
     return tree_sum(gathered.view(world, *x.shape))
+
+
+def _halving(flat: torch.Tensor, world: int, group: dist.ProcessGroup | None) -> torch.Tensor:
+    rank = dist.get_rank(group)
+    n = flat.numel()
+    chunk = -(-n // world)
+    buf = torch.zeros(chunk * world, dtype=flat.dtype, device=flat.device)  # padded to P equal chunks
+    buf[:n] = flat
+    lo, hi = 0, buf.numel()
+    for level in range(world.bit_length() - 1):
+        bit = 1 << level
+        peer = rank ^ bit
+        mid = (lo + hi) // 2
+        keep, give = ((mid, hi), (lo, mid)) if rank & bit else ((lo, mid), (mid, hi))
+        received = torch.empty(mid - lo, dtype=buf.dtype, device=buf.device)
+        to = dist.get_global_rank(group, peer) if group is not None else peer
+        for request in dist.batch_isend_irecv([dist.P2POp(dist.isend, buf[give[0]:give[1]], to, group),
+                                               dist.P2POp(dist.irecv, received, to, group)]):
+            request.wait()
+        buf[keep[0]:keep[1]] += received
+        lo, hi = keep
+    # Rank r now holds the finished tree of segment bit_reverse(r): at level k, bit k of r chose
+    # the upper or lower half, so the first level's choice is the segment index's highest bit.
+    gathered = torch.empty_like(buf)
+    _all_gather(gathered, buf[lo:hi].contiguous(), group=group)
+    order = [_bit_reverse(s, world.bit_length() - 1) for s in range(world)]
+    return gathered.view(world, chunk)[order].reshape(-1)[:n]
+
+
+def _bit_reverse(value: int, bits: int) -> int:
+    return int(format(value, f"0{bits}b")[::-1], 2) if bits else 0
