@@ -132,7 +132,7 @@ def main() -> None:
     ref, tok, specs = _prompts(args.model, args.new, args.random)
     on_gpu = torch.cuda.is_available()
     hfm = hf.load(str(ref.path), dtype="bfloat16" if on_gpu else "float32", device="cuda" if on_gpu else "cpu",
-                  tp=args.tp, eos_id=None, pad_id=tok.pad_token_id)
+                  tp=args.tp, stop_ids=(), pad_id=tok.pad_token_id)
     seqs = {"generate": [Sequence(p.id, tuple(p.tokens), None, args.new) for p in specs]}
     # Score the prompt plus a fixed completion of `new` tokens (what a reference generation gives).
     seqs["score"] = [Sequence(p.id, tuple(p.tokens), tuple(p.tokens[:args.new]), 0) for p in specs]

@@ -26,7 +26,7 @@ from repaudit import builtin  # noqa: E402
 from repaudit.engines import hf  # noqa: E402
 from repaudit.engines.base import Sequence  # noqa: E402
 from repaudit.probes import load_suite  # noqa: E402
-from repaudit.run.model import ModelRef, load_tokenizer, tokenize  # noqa: E402
+from repaudit.run.model import ModelRef, load_tokenizer, stop_ids, tokenize  # noqa: E402
 from repaudit.run.trace import Tracer  # noqa: E402
 
 
@@ -45,7 +45,7 @@ def main() -> None:
     tok = load_tokenizer(ModelRef(args.model, path, None), False)
     prompts = tokenize(load_suite(args.probes), tok, args.max_new_tokens, None)
     dtype = "float32" if args.device == "cpu" else "bfloat16"
-    m = hf.load(str(path), dtype=dtype, device=args.device, tp=1, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id)
+    m = hf.load(str(path), dtype=dtype, device=args.device, tp=1, stop_ids=stop_ids(path, tok), pad_id=tok.pad_token_id)
     seqs = [Sequence(p.id, tuple(p.tokens), None, p.max_new_tokens) for p in prompts]
 
     def cell(mode: str, traced: bool) -> float:

@@ -72,7 +72,7 @@ def one(args) -> dict:
     # Warm-up of every path at full size: compilation, graph capture, allocator growth.
     llm.generate(requests, plain_params, use_tqdm=False)
     llm.generate(requests, lp_params, use_tqdm=False)
-    vllm_engine.generate(llm, seqs, args.topk, eos_id=None)
+    vllm_engine.generate(llm, seqs, args.topk, stop_ids=())
     plain, with_lp, cell = [], [], []
     for _ in range(args.runs):
         for params, runs in ((plain_params, plain), (lp_params, with_lp)):
@@ -80,7 +80,7 @@ def one(args) -> dict:
             outs = llm.generate(requests, params, use_tqdm=False)
             runs.append((time.perf_counter() - t0, sum(len(o.outputs[0].token_ids) for o in outs)))
         t0 = time.perf_counter()
-        rows, _ = vllm_engine.generate(llm, seqs, args.topk, eos_id=None)
+        rows, _ = vllm_engine.generate(llm, seqs, args.topk, stop_ids=())
         cell.append((time.perf_counter() - t0, sum(int((r.pos >= r.prompt_len).sum()) for r in rows)))
     tok_s = lambda runs: statistics.median(n / s for s, n in runs)  # noqa: E731
     row = {"device": _device_name(args.tp), "engine": "vllm", "kernels": args.kernels, "tp": args.tp, "prompts": args.prompts,

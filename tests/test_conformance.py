@@ -235,7 +235,7 @@ def _check_rows(what: str, rows, logits: torch.Tensor, lp: torch.Tensor, tokens:
 def _conform(model_type: str, path, seed: int = 0) -> None:
     """Score (two sequences, top-k on) and generate (one prompt, 3 new tokens) with the engine,
     each record checked against the model's own logits."""
-    hfm = hf.load(str(path), dtype="float32", device="cpu", tp=1, eos_id=None, pad_id=0)
+    hfm = hf.load(str(path), dtype="float32", device="cpu", tp=1, stop_ids=(), pad_id=0)
     sequences = _sequences(seed)
     for i, (prompt, completion) in enumerate(sequences):
         seq = prompt + completion
@@ -266,7 +266,7 @@ def test_the_static_decode_families_are_tested(model_type, tmp_path):
     model here must take it (a window or another attention would silently skip the check)."""
     assert model_type in TESTED, "a family decodes with a static cache that nothing here checks"
     _save_tiny(model_type, tmp_path)
-    hfm = hf.load(str(tmp_path), dtype="float32", device="cpu", tp=1, eos_id=None, pad_id=0)
+    hfm = hf.load(str(tmp_path), dtype="float32", device="cpu", tp=1, stop_ids=(), pad_id=0)
     assert hf_decode.static_supported(hfm.model)
 
 
@@ -297,7 +297,7 @@ def test_granite_logits_scaling_is_applied(tmp_path):
     """The reproduction of the defect: Granite divides its logits by logits_scaling; the records
     used to take log_softmax(lm_head(h)) and were off by up to a nat while greedy tokens agreed."""
     _save_tiny("granite", tmp_path, logits_scaling=8.0)
-    hfm = hf.load(str(tmp_path), dtype="float32", device="cpu", tp=1, eos_id=None, pad_id=0)
+    hfm = hf.load(str(tmp_path), dtype="float32", device="cpu", tp=1, stop_ids=(), pad_id=0)
     assert hfm.model.config.logits_scaling == 8.0
     _conform("granite", tmp_path, seed=1)
     # The old formula is far from the model's own: the bitwise checks above are not vacuous here.
@@ -319,7 +319,7 @@ def test_head_runs_on_the_shapes_of_the_models_forward(model_type, tmp_path):
     gives a 1-row product in the engine if it keeps only the rows it records, a 2-row one in
     model(ids), and the bits differ. The engine runs the head on every position of a sequence."""
     _save_tiny(model_type, tmp_path)
-    hfm = hf.load(str(tmp_path), dtype="float32", device="cpu", tp=1, eos_id=None, pad_id=0)
+    hfm = hf.load(str(tmp_path), dtype="float32", device="cpu", tp=1, stop_ids=(), pad_id=0)
     for n in (2, 3):
         seq = list(range(11, 11 + n))
         logits, lp = _reference(hfm.model, seq)

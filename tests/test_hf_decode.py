@@ -50,7 +50,7 @@ def _generate(hfm, decode: str, batch, mode: str):
 @pytest.fixture(scope="module", params=["tiny-qwen3", "tiny-llama"])
 def tiny(request):
     path = builtin.ensure(f"builtin:{request.param}")
-    return hf.load(str(path), dtype="float32", device="cpu", tp=1, eos_id=None, pad_id=0)
+    return hf.load(str(path), dtype="float32", device="cpu", tp=1, stop_ids=(), pad_id=0)
 
 
 @pytest.mark.parametrize("mode", ["bi", "tbik"])
@@ -73,7 +73,7 @@ def test_stock_static_cache_moves_bits_that_tbik_keeps(tiny):
 
 
 def test_load_picks_the_dynamic_cache_on_cpu(tiny):
-    fresh = hf.load(str(tiny.model.name_or_path), dtype="float32", device="cpu", tp=1, eos_id=None, pad_id=0)
+    fresh = hf.load(str(tiny.model.name_or_path), dtype="float32", device="cpu", tp=1, stop_ids=(), pad_id=0)
     assert fresh.decode == "dynamic"
     assert hf_decode.static_supported(fresh.model)
 
@@ -109,27 +109,28 @@ def test_graphs_fall_back_to_eager_static_steps_off_cuda(tiny):
 
 
 @pytest.mark.parametrize("decode", ["dynamic", "static"])
-def test_rows_end_at_their_eos_with_the_bits_of_a_run_without_one(tiny, decode):
+def test_rows_end_at_their_first_stop_id_with_the_bits_of_a_run_without_one(tiny, decode):
     """generate() decides on the device which rows are done and looks only every few steps
-    whether all are: a row ends at its first EOS (recorded), and every recorded value is the
-    one a run without an EOS computes at that step (tbik: rows do not depend on each other)."""
+    whether all are: a row ends at the first of its stop ids (recorded; two of them here, as a
+    chat model's generation config lists), and every recorded value is the one a run without
+    stop ids computes at that step (tbik: rows do not depend on each other)."""
     batch = _batch(seed=5, new=20)
     full = _generate(tiny, decode, batch, "tbik")
-    eos = int(full[0].token_id[3])
-    tiny.eos_id = eos
+    stops = (int(full[0].token_id[3]), int(full[1].token_id[2]))
+    tiny.stop_ids = stops
     try:
         tiny.decode = decode
         with kernel_mode(tiny, "tbik"):
             ended, timing = hf.generate(tiny, batch, topk=3)
     finally:
-        tiny.eos_id = None
+        tiny.stop_ids = ()
     for f, e in zip(full, ended):
-        hits = np.flatnonzero(f.token_id == eos)
+        hits = np.flatnonzero(np.isin(f.token_id, stops))
         n = int(hits[0]) + 1 if len(hits) else len(f.pos)
         assert len(e.pos) == n, f"{f.prompt_id}: {len(e.pos)} rows, its first EOS is row {n}"
         cut = {k: getattr(f, k)[:n] for k in ("pos", "token_id", "logprob", "top1", "topk_ids", "topk_logprobs", "digest")}
         assert _bits_equal(type(f)(prompt_id=f.prompt_id, prompt_len=f.prompt_len, **cut), e)
-    assert len(ended[0].pos) <= 4 and any(len(e.pos) < len(f.pos) for e, f in zip(ended, full))
+    assert len(ended[0].pos) <= 4 and len(ended[1].pos) <= 3
     assert timing.decode_tokens == sum(len(e.pos) for e in ended) - len(batch)
 
 
@@ -178,7 +179,7 @@ def test_advanced_masks_are_the_mask_functions_answers_bit_for_bit(tiny, mode, a
 @pytest.mark.parametrize("mode", ["stock", "bi", "tbik"])
 def test_graph_replays_are_the_eager_static_steps_bit_for_bit(mode):
     path = builtin.ensure("builtin:qwen3-0.6b")
-    hfm = hf.load(str(path), dtype="bfloat16", device="cuda", tp=1, eos_id=None, pad_id=0)
+    hfm = hf.load(str(path), dtype="bfloat16", device="cuda", tp=1, stop_ids=(), pad_id=0)
     assert hfm.decode == "graphs"
     batch = _batch(new=12)
     eager = _generate(hfm, "static", batch, mode)

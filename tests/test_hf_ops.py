@@ -20,7 +20,7 @@ def _load(model: str, device: str):
     from repaudit import builtin
     from repaudit.engines import hf
 
-    return hf.load(str(builtin.ensure(model)), dtype="bfloat16", device=device, tp=1, eos_id=None, pad_id=0)
+    return hf.load(str(builtin.ensure(model)), dtype="bfloat16", device=device, tp=1, stop_ids=(), pad_id=0)
 
 
 def _weights(model) -> dict:

@@ -49,7 +49,7 @@ def tiny_model():
 
     path = builtin.ensure(TINY)
     hf.cfg_check(str(path), False)  # a verified family: the engine takes it
-    return hf.load(str(path), dtype="float32", device="cpu", tp=1, eos_id=256, pad_id=256)
+    return hf.load(str(path), dtype="float32", device="cpu", tp=1, stop_ids=(256,), pad_id=256)
 
 
 def test_tiny_moe_is_small_and_every_layer_has_fused_experts(tiny_model):

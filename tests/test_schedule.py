@@ -72,7 +72,7 @@ def test_a_score_cell_waits_for_the_reference_or_the_word_that_it_will_not_come(
     marker = tmp_path / "jobs" / "reference-failed"
     marker.parent.mkdir()
     spec = JobSpec(group_id="g", engine="hf", model_path="m", dtype="float32", device="cuda", tp=1, out_dir=str(tmp_path),
-                   events_dir="", cells=[], prompts=[], eos_id=None, pad_id=0, topk=0, reference_cell="ref-generate",
+                   events_dir="", cells=[], prompts=[], stop_ids=[], pad_id=0, topk=0, reference_cell="ref-generate",
                    probes={}, tokenizer={}, model={}, cpu_threads=1, trust_remote_code=False,
                    extra={"reference_failed_marker": str(marker)})
     target = cell_path(tmp_path, "ref-generate") if arrives == "record" else marker

@@ -182,7 +182,7 @@ def test_real_vllm_generate_and_score_on_a_gpu():
                                                    batch_size=4, max_len=128, topk=3,
                                                    extra={"gpu_memory_utilization": 0.3}))  # shares its GPU
     seqs = [Sequence("a", (1, 2, 3, 4), None, 6), Sequence("b", (5, 6), None, 6)]
-    rows, timing = vllm_engine.generate(llm, seqs, 3, eos_id=None)
+    rows, timing = vllm_engine.generate(llm, seqs, 3, stop_ids=())
     assert [r.pos.tolist() for r in rows] == [list(range(4, 10)), list(range(2, 8))] and timing.decode_tokens == 12
     # greedy: every generated token is its row's top-1, and its logprob is the top-1 logprob
     for r in rows:
@@ -190,7 +190,7 @@ def test_real_vllm_generate_and_score_on_a_gpu():
         assert (r.token_id[gen] == r.top1[gen]).all()
         assert (r.logprob[gen].view(np.uint32) == r.topk_logprobs[gen, 0].view(np.uint32)).all()
     again, _ = vllm_engine.score(llm, [Sequence(s.prompt_id, s.prompt, tuple(r.completion_tokens), 0)
-                                       for s, r in zip(seqs, rows)], 3, eos_id=None)
+                                       for s, r in zip(seqs, rows)], 3, stop_ids=())
     assert [a.token_id[a.pos >= a.prompt_len].tolist() for a in again] == [r.token_id.tolist() for r in rows]
 
 

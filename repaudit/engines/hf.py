@@ -37,7 +37,7 @@ class HFModel:
     model: torch.nn.Module
     device: torch.device
     tp: int
-    eos_id: int | None
+    stop_ids: tuple[int, ...]  # a generation ends at the first of these (run.model.stop_ids)
     pad_id: int
     log_softmax: Callable[[torch.Tensor], torch.Tensor]
     tracer: Any = None  # a repaudit.run.trace.Tracer while a traced cell runs
@@ -63,7 +63,7 @@ def _forward(hfm: HFModel, ids: torch.Tensor, mask: Any, positions: torch.Tensor
 
 
 def load(path: str, *, dtype: str, device: str, tp: int, trust_remote_code: bool = False,
-         eos_id: int | None, pad_id: int) -> HFModel:
+         stop_ids: tuple[int, ...], pad_id: int) -> HFModel:
     from transformers import AutoModelForCausalLM
 
     cfg_check(path, trust_remote_code)
@@ -85,7 +85,7 @@ def load(path: str, *, dtype: str, device: str, tp: int, trust_remote_code: bool
         # module the CausalLM's forward calls (this instance only).
         model.base_model_prefix = base
     decode = "graphs" if local.type == "cuda" and tp == 1 and hf_decode.static_supported(model) else "dynamic"
-    return HFModel(model=model, device=local, tp=tp, eos_id=eos_id, pad_id=pad_id,
+    return HFModel(model=model, device=local, tp=tp, stop_ids=tuple(stop_ids), pad_id=pad_id,
                    log_softmax=lambda x: torch.log_softmax(x, dim=-1), decode=decode)
 
 
@@ -364,7 +364,7 @@ def generate(hfm: HFModel, batch: list[Sequence], topk: int) -> tuple[list[Token
     timing = Timing(prefill_s=time.perf_counter() - t0, prefill_tokens=sum(plens))
 
     limits = torch.tensor([s.max_new_tokens for s in batch], device=hfm.device)
-    eos = hfm.eos_id if hfm.eos_id is not None else -1
+    stop = torch.tensor(hfm.stop_ids or (-1,), device=hfm.device)
     gen_len = torch.zeros(B, dtype=torch.long, device=hfm.device)  # generated tokens so far, per sequence
     done = torch.zeros(B, dtype=torch.bool, device=hfm.device)
     steps: list[dict[str, torch.Tensor]] = []
@@ -373,7 +373,7 @@ def generate(hfm: HFModel, batch: list[Sequence], topk: int) -> tuple[list[Token
     for n in range(1, max_new + 1):  # step n's values are each row's n-th generated token
         steps.append(step)
         gen_len += ~done
-        done |= (step["chosen"] == eos) | (gen_len >= limits)
+        done |= torch.isin(step["chosen"], stop) | (gen_len >= limits)
         if n == max_new or (n % DONE_CHECK_EVERY == 0 and bool(done.all())):
             break
         # Finished rows keep decoding a pad token, as generate() does; their rows are not recorded.

@@ -35,6 +35,9 @@ memory share. The settings repaudit changes, and why (docs/vllm.md lists them to
 - max_num_seqs = the largest batch size of the job, max_model_len = the longest sequence:
   the batch is what the cell measures, and the KV cache is sized for the suite.
 - seed=0 and greedy sampling (temperature 0).
+- stop_token_ids: run.model.stop_ids, the tokenizer's EOS (which vLLM cannot know without its
+  tokenizer) and the generation config's EOS ids (which vLLM adds itself): where the
+  transformers engine stops too.
 A scenario (SCENARIO_ARGS, chunked-prefill:N) changes a few of these on purpose, one thing at a
 time, and its cells are compared with the cold cells of the same job settings (docs/vllm.md,
 "Scenarios"). --vllm-arg KEY=VALUE sets any engine argument and has the last word.
@@ -177,14 +180,14 @@ def load(args: dict[str, Any]):
     return LLM(**args)
 
 
-def sampling_params(max_tokens: int, topk: int, eos_id: int | None, prompt_logprobs: bool):
+def sampling_params(max_tokens: int, topk: int, stop_ids: tuple[int, ...], prompt_logprobs: bool):
     from vllm import SamplingParams
 
     # Flat logprobs: vLLM keeps a request's logprobs in a few flat lists instead of a dict per position, which
     # costs vLLM and this conversion far less than (1 + k) Python objects per token.
     k = logprobs_k(topk)
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=k, prompt_logprobs=k if prompt_logprobs else None,
-                          detokenize=False, stop_token_ids=[eos_id] if eos_id is not None else None, flat_logprobs=True)
+                          detokenize=False, stop_token_ids=list(stop_ids) or None, flat_logprobs=True)
 
 
 def _run(llm, token_lists: list[list[int]], params: list) -> tuple[list, float]:
@@ -204,18 +207,18 @@ def warm_prefixes(llm, seqs: list[Sequence]) -> None:
     _run(llm, [list(s.prompt) for s in seqs], [SamplingParams(temperature=0.0, max_tokens=1, detokenize=False)] * len(seqs))
 
 
-def score(llm, seqs: list[Sequence], topk: int, eos_id: int | None) -> tuple[list[TokenRows], Timing]:
+def score(llm, seqs: list[Sequence], topk: int, stop_ids: tuple[int, ...]) -> tuple[list[TokenRows], Timing]:
     """Prompt logprobs over prompt + reference completion (one throwaway token generated)."""
     tokens = [list(s.prompt) + list(s.completion or ()) for s in seqs]
-    outs, seconds = _run(llm, tokens, [sampling_params(1, topk, eos_id, True)] * len(seqs))
+    outs, seconds = _run(llm, tokens, [sampling_params(1, topk, stop_ids, True)] * len(seqs))
     rows = [rows_from_output(o, s.prompt_id, len(s.prompt), topk, completion=False) for o, s in zip(outs, seqs)]
     return rows, Timing(prefill_s=seconds, prefill_tokens=sum(len(t) for t in tokens))
 
 
-def generate(llm, seqs: list[Sequence], topk: int, eos_id: int | None) -> tuple[list[TokenRows], Timing]:
+def generate(llm, seqs: list[Sequence], topk: int, stop_ids: tuple[int, ...]) -> tuple[list[TokenRows], Timing]:
     """Greedy decoding; records the generated tokens (no prompt logprobs: those are a score cell's,
     and asking vLLM for them would cost more than the decoding)."""
-    outs, seconds = _run(llm, [list(s.prompt) for s in seqs], [sampling_params(s.max_new_tokens, topk, eos_id, False) for s in seqs])
+    outs, seconds = _run(llm, [list(s.prompt) for s in seqs], [sampling_params(s.max_new_tokens, topk, stop_ids, False) for s in seqs])
     rows = [rows_from_output(o, s.prompt_id, len(s.prompt), topk, completion=True) for o, s in zip(outs, seqs)]
     # vLLM interleaves prefill and decode; its wall time is charged to the generated tokens.
     return rows, Timing(decode_s=seconds, decode_tokens=sum(len(o.outputs[0].token_ids) for o in outs))

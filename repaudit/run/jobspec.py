@@ -28,7 +28,7 @@ class JobSpec:
     events_dir: str
     cells: list[dict[str, Any]]  # full cell settings, each with "id", in run order
     prompts: list[PromptSpec]
-    eos_id: int | None
+    stop_ids: list[int]  # a generation ends at the first of these (run.model.stop_ids)
     pad_id: int
     topk: int
     reference_cell: str | None  # cell whose greedy completions score cells use

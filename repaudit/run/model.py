@@ -73,6 +73,23 @@ def load_tokenizer(ref: ModelRef, trust_remote_code: bool):
         raise _load_error(ref, "tokenizer", exc) from None
 
 
+def stop_ids(path: str | os.PathLike, tok) -> tuple[int, ...]:
+    """The token ids a generation ends at, the same for every engine: the tokenizer's EOS and
+    every EOS id of the model's generation_config.json. transformers' generate() stops at the
+    generation config's ids, and vLLM adds them to every request's stop ids whatever the request
+    asks; a chat model often lists two (end of turn, end of text), and an engine that stopped at
+    one only would run past the other and differ from the rest in length, not in numbers."""
+    ids = {int(tok.eos_token_id)} if tok.eos_token_id is not None else set()
+    config = Path(path) / "generation_config.json"
+    if config.is_file():
+        try:
+            eos = json.loads(config.read_text()).get("eos_token_id")
+        except (OSError, ValueError) as exc:
+            raise InputError(f"{config}: not readable as JSON ({exc})") from None
+        ids.update(int(i) for i in ([eos] if isinstance(eos, int) else eos or []) if i is not None)
+    return tuple(sorted(ids))
+
+
 def tokenizer_meta(tok, model_id: str) -> dict[str, Any]:
     backend = getattr(tok, "backend_tokenizer", None)
     blob = (backend.to_str() if backend is not None else json.dumps(tok.get_vocab(), sort_keys=True))

@@ -28,7 +28,7 @@ from ..record.io import RecordMeta, read_meta
 from .events import EventReader
 from .jobspec import JobSpec, PromptSpec, cell_path
 from .launch import CellOutcome, GroupOutcome, Rendezvous, run_group
-from .model import ModelRef, load_tokenizer, model_shape, resolve_model, tokenize, tokenizer_meta
+from .model import ModelRef, load_tokenizer, model_shape, resolve_model, stop_ids, tokenize, tokenizer_meta
 from .nccl import debug_env as nccl_debug_env, group_observation, torch_nccl_version
 from .plan import Cell, Matrix, Plan, expand, expand_with, validate_against_model
 from .rundir import Manifest, RunLock, remove_partial_files
@@ -231,7 +231,7 @@ def run(matrix: Matrix, opts: RunOptions, console: Console | None = None,
         old = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
             _run_groups(plan, opts, run_dir, manifest, settings, already, prompts, ref, suite, tok_meta,
-                        pad_id, tok.eos_token_id, reference_cell, stop, console, leader, inplace,
+                        pad_id, stop_ids(ref.path, tok), reference_cell, stop, console, leader, inplace,
                         (lock.fd,) if lock else ())
         finally:
             for s, handler in old.items():
@@ -276,7 +276,7 @@ def _matrix_json(plan: Plan) -> dict[str, Any]:
     return {**plan.matrix.to_manifest(), "groups": [g.id for g in plan.groups]}
 
 
-def _run_groups(plan, opts, run_dir, manifest, settings, already, prompts, ref, suite, tok_meta, pad_id, eos_id,
+def _run_groups(plan, opts, run_dir, manifest, settings, already, prompts, ref, suite, tok_meta, pad_id, stops,
                 reference_cell, stop, console, leader, inplace, lock_fds) -> None:
     job_dir = run_dir / "jobs" / f"node{opts.rdzv.node_rank}"
     job_dir.mkdir(parents=True, exist_ok=True)
@@ -337,7 +337,7 @@ def _run_groups(plan, opts, run_dir, manifest, settings, already, prompts, ref, 
                 group_id=group.id, engine=group.engine, model_path=str(ref.path), dtype=plan.matrix.dtype,
                 device=plan.matrix.device, tp=group.tp, out_dir=str(run_dir), events_dir="",
                 cells=[settings[c.id] for c in cells],
-                prompts=prompts, eos_id=eos_id, pad_id=pad_id, topk=plan.matrix.topk,
+                prompts=prompts, stop_ids=list(stops), pad_id=pad_id, topk=plan.matrix.topk,
                 reference_cell=reference_cell.id if reference_cell else None, probes=suite.meta, tokenizer=tok_meta,
                 model={"id": ref.id, "weights_sha256": ref.weights_sha256}, cpu_threads=opts.cpu_threads,
                 trust_remote_code=opts.trust_remote_code, extra={"trace": plan.matrix.trace, "vllm_args": plan.matrix.vllm_args,

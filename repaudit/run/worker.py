@@ -167,7 +167,7 @@ def _run_vllm(spec: JobSpec, events: EventWriter, todo: list[dict]) -> None:
             def run_batch(batch):
                 if scenario == "prefix-hit":  # the prompts' prefixes cached first, outside the cell's timing
                     vllm_engine.warm_prefixes(llm, batch)
-                return run(llm, batch, spec.topk, spec.eos_id)
+                return run(llm, batch, spec.topk, tuple(spec.stop_ids))
 
             rows, timing = _batches(cid, _sequences(spec, refs, cell["mode"]), cell["batch_size"], run_batch, events, 0)
             _write(spec, cell, rows, env, None)
@@ -203,7 +203,7 @@ def run_job(spec: JobSpec) -> None:
         return
     t0 = time.perf_counter()
     model = hf.load(spec.model_path, dtype=spec.dtype, device=spec.device, tp=spec.tp,
-                    trust_remote_code=spec.trust_remote_code, eos_id=spec.eos_id, pad_id=spec.pad_id)
+                    trust_remote_code=spec.trust_remote_code, stop_ids=tuple(spec.stop_ids), pad_id=spec.pad_id)
     events.emit("loaded", seconds=time.perf_counter() - t0)
     env = environment(spec.device)
     env["ranks"] = gather_rank_settings(spec.device)  # a collective: every rank's switches, not rank 0's alone
