@@ -123,6 +123,7 @@ def main() -> None:
 
     from repaudit.engines import hf
     from repaudit.engines.base import Sequence, Timing
+    from repaudit.files import write_json_atomic
     from repaudit.run.kernelmodes import kernel_mode
 
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -189,20 +190,13 @@ def main() -> None:
                     rows.append(row)
                     if rank == 0:
                         print(json.dumps(row), flush=True)
-                        if args.json:  # after every row: a run cut short keeps what it measured
-                            _write(Path(args.json), others + rows)
+                        if args.json:  # after every row, whole or not at all: a run cut short keeps what it measured
+                            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+                            write_json_atomic(args.json, others + rows)
                     if args.profile and bs == batches[len(batches) // 2]:  # every rank: the forwards are collectives
                         _profile(args.profile if rank == 0 else None, f"{mode}-{kernels}-tp{args.tp}-bs{bs}", base, mine)
     if dist.is_initialized():
         dist.destroy_process_group()
-
-
-def _write(path: Path, rows: list[dict]) -> None:
-    """Replaced whole through a temporary file: complete or absent."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(rows, indent=1))
-    tmp.replace(path)
 
 
 def _profile(out_dir: str | None, name: str, base, mine) -> None:

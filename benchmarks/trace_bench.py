@@ -24,6 +24,7 @@ import torch  # noqa: E402
 
 from repaudit import builtin  # noqa: E402
 from repaudit.engines import hf  # noqa: E402
+from repaudit.files import write_json_atomic  # noqa: E402
 from repaudit.engines.base import Sequence  # noqa: E402
 from repaudit.probes import load_suite  # noqa: E402
 from repaudit.run.model import ModelRef, load_tokenizer, stop_ids, tokenize  # noqa: E402
@@ -85,9 +86,8 @@ def _write(path: Path, device: str, args, rows: list[dict]) -> None:
     old = json.loads(path.read_text()) if path.exists() else []
     keep = [r for r in old if (r["device"], r["batch"], r["probes"]) != (device, args.batch_size, args.probes)]
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(keep + rows, indent=1))
-    tmp.replace(path)
+    write_json_atomic(path, keep + rows)
+
 
 if __name__ == "__main__":
     main()
