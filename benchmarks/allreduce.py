@@ -7,16 +7,25 @@ row-parallel layer's output at Qwen3-8B's hidden size 4096: [T, 4096] for T = 1,
 batch) and 2048 (prefill). Rows: the stock all_reduce in bf16 (what a TP engine sends) and in
 fp32 (the tree's partials are fp32), and tree_all_reduce in fp32 by each algorithm
 (tbik.allreduce.ALGORITHMS: "gather", "halving"). Before timing, every rank checks that each
-algorithm gave identical bits on all ranks, equal to tbik.tree_sum of all partials. Median
-latency over --iters calls; rank 0 prints a Markdown table.
+algorithm gave identical bits on all ranks, equal to tbik.tree_sum of all partials.
+
+Two timings per row, median over --iters: "eager" (one call launched from Python, ranks lined up
+before it) and, on GPUs, "graph" (GRAPH_CALLS calls captured in one CUDA graph and replayed,
+per call: what a decode step replayed from a graph pays, launch overheads gone). Rank 0 prints
+a Markdown table and, with --json, writes the rows (`device`, `P`, `message`, `shape`, `timing`,
+`all_reduce_bf16_us`, `all_reduce_fp32_us` (torch.distributed.all_reduce: NCCL on GPUs), `tree_<algorithm>_us`, `ratio_<algorithm>` = tree / all_reduce fp32)
+into FILE, replacing that file's rows of the same device and P.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
+import sys
 import time
+from pathlib import Path
 
 # NVLink multicast stays off on shared machines (NVLS can take the host's GPUs down).
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
@@ -30,6 +39,7 @@ from tbik.allreduce import ALGORITHMS  # noqa: E402
 
 HIDDEN = 4096
 ROWS = [("decode B=1", 1), ("decode B=8", 8), ("decode B=32", 32), ("prefill 2k", 2048)]
+GRAPH_CALLS = 20
 
 
 def timed(fn, iters: int, cuda: bool) -> float:
@@ -54,6 +64,23 @@ def timed(fn, iters: int, cuda: bool) -> float:
     return statistics.median(times)
 
 
+def graphed(fn, calls: int = GRAPH_CALLS):
+    """A function that replays `calls` calls of fn from one CUDA graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    # NCCL's watchdog thread polls events during the capture: "thread_local" lets it.
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        for _ in range(calls):
+            fn()
+    return graph.replay
+
+
 def check_bits(partial: torch.Tensor, world: int, algorithm: str) -> None:
     got = tbik.tree_all_reduce(partial, algorithm=algorithm)
     everyone = [torch.empty_like(got) for _ in range(world)]
@@ -70,6 +97,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--iters", type=int, default=200)
     parser.add_argument("--out", help="also write the table here (rank 0)")
+    parser.add_argument("--json", help="write the rows here (rank 0), keeping other machines' rows")
     args = parser.parse_args()
     cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if cuda else "gloo")
@@ -83,31 +111,57 @@ def main() -> None:
     for label, tokens in ROWS:
         partial = torch.randn(tokens, HIDDEN, generator=gen, device=device) * (rank + 1)
         half = partial.bfloat16()
-        stock_bf16 = timed(lambda: dist.all_reduce(half.clone()), args.iters, cuda)
-        stock_fp32 = timed(lambda: dist.all_reduce(partial.clone()), args.iters, cuda)
-        trees = []
         for algorithm in ALGORITHMS:
             check_bits(partial, world, algorithm)
-            trees.append(timed(lambda a=algorithm: tbik.tree_all_reduce(partial, algorithm=a), args.iters, cuda))
-        rows.append((label, f"[{tokens}, {HIDDEN}]", f"{stock_bf16:.1f}", f"{stock_fp32:.1f}",
-                     *(f"{t:.1f}" for t in trees), *(f"{t / stock_fp32:.2f}" for t in trees)))
+        calls = {"all_reduce_bf16": lambda: dist.all_reduce(half.clone()), "all_reduce_fp32": lambda: dist.all_reduce(partial.clone()),
+                 **{f"tree_{a}": (lambda a=a: tbik.tree_all_reduce(partial, algorithm=a)) for a in ALGORITHMS}}
+        timings = [("eager", 1, calls)]
+        if cuda:
+            timings.append(("graph", GRAPH_CALLS, {k: graphed(fn) for k, fn in calls.items()}))
+        for timing, per_run, fns in timings:
+            row = {"message": label, "shape": [tokens, HIDDEN], "timing": timing}
+            row.update({f"{k}_us": timed(fn, args.iters, cuda) / per_run for k, fn in fns.items()})
+            row.update({f"ratio_{a}": row[f"tree_{a}_us"] / row["all_reduce_fp32_us"] for a in ALGORITHMS})
+            rows.append(row)
 
     if rank == 0:
         backend = dist.get_backend()
         where = torch.cuda.get_device_name() if cuda else "CPU processes"
-        head = ["message", "shape", "all_reduce bf16 us", "all_reduce fp32 us",
+        head = ["message", "shape", "timing", "all_reduce bf16 us", "all_reduce fp32 us",
                 *(f"tree ({a}) fp32 us" for a in ALGORITHMS), *(f"tree ({a}) / fp32 all_reduce" for a in ALGORITHMS)]
-        lines = [f"P={world}, backend {backend}, {where}, torch {torch.__version__}; median of {args.iters} calls "
-                 "(each includes a .clone() of the message for the stock all_reduce, which works in place); "
-                 "tree_all_reduce bits (each algorithm) identical on every rank and equal to tbik.tree_sum: checked", "",
+        lines = [f"P={world}, backend {backend}, {where}, torch {torch.__version__}; median of {args.iters} runs "
+                 f"(eager: one call; graph: {GRAPH_CALLS} calls replayed from one CUDA graph, per call; each stock "
+                 "all_reduce includes a .clone() of the message, as it works in place); tree_all_reduce bits (each "
+                 "algorithm) identical on every rank and equal to tbik.tree_sum: checked", "",
                  "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-        lines += ["| " + " | ".join(r) + " |" for r in rows]
+        for r in rows:
+            cells = [r["message"], str(r["shape"]), r["timing"], f"{r['all_reduce_bf16_us']:.1f}", f"{r['all_reduce_fp32_us']:.1f}",
+                     *(f"{r[f'tree_{a}_us']:.1f}" for a in ALGORITHMS), *(f"{r[f'ratio_{a}']:.2f}" for a in ALGORITHMS)]
+            lines.append("| " + " | ".join(cells) + " |")
         text = "\n".join(lines)
         print(text, flush=True)
         if args.out:
             with open(args.out, "w") as f:
                 f.write(text + "\n")
+        if args.json:
+            _write_json(args.json, where, world, rows)
+    # Every rank done with its graphs' NCCL work before the group goes: a rank tearing down
+    # while another still replays can hang the exit.
+    if cuda:
+        torch.cuda.synchronize()
+    dist.barrier()
     dist.destroy_process_group()
+
+
+def _write_json(path: str, where: str, world: int, rows: list[dict]) -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from repaudit.files import write_json_atomic
+
+    command = " ".join(["torchrun", f"--nproc_per_node={world}", "benchmarks/allreduce.py", *sys.argv[1:]])
+    others = []
+    if Path(path).exists():
+        others = [r for r in json.loads(Path(path).read_text()) if (r.get("device"), r.get("P")) != (where, world)]
+    write_json_atomic(path, others + [{"device": where, "P": world, **r, "command": command} for r in rows])
 
 
 if __name__ == "__main__":

@@ -56,7 +56,7 @@ for p in "${pairs[@]}"; do
   echo '```' >> "$m"
 done
 
-(cd "$R" && COLUMNS=150 timeout 60 python3 -m repaudit report . > "$OUT/report.log" 2>&1)
+(cd "$R" && COLUMNS=150 timeout 240 python3 -m repaudit report . > "$OUT/report.log" 2>&1)
 for f in summary.json summary.md report.html report.md manifest.json; do [ -f "$R/$f" ] && cp "$R/$f" "$OUT/"; done
 for f in "$R"/jobs/node0/*.log; do [ -f "$f" ] && grep -v "it/s\]" "$f" | tail -n 60 > "$OUT/job-$(basename "$f")"; done
 echo "done in $(( $(date +%s) - START ))s" >> "$m"

@@ -1,6 +1,6 @@
 """tbik on a CUDA GPU: which stock ops move bits, accuracy, and tree matmul speed against cuBLAS.
 
-    python benchmarks/kernels.py [probe] [accuracy] [bench] [sweep] [host] [--out DIR]
+    python benchmarks/kernels.py [probe] [accuracy] [bench] [sweep] [host] [--out DIR] [--json FILE]
 
 probe     which stock torch ops give a row different bits when the batch (or the head count, or
           prefill vs decode) changes, next to the tbik kernels on the same inputs.
@@ -12,14 +12,20 @@ bench     tree_matmul vs torch.matmul (cuBLAS), bf16, Qwen3-8B linear shapes, M 
 sweep     tile configurations (eager) and execution strategies (SPLIT, CUDA graphs) on a subset,
           with the compiled kernels' registers and spills: how tbik/matmul.py was configured.
 host      cProfile of the host side of tree_matmul calls.
-Tables are printed as Markdown and, with --out, written to DIR/<what>.md.
+Tables are printed as Markdown and, with --out, written to DIR/<what>.md. With --json, bench
+also writes its rows to FILE (with --repeat N, each value the median of N runs) ({"rows": [...], "summary": {device: {...}}}; rows `device`,
+`shape`, `N`, `K`, `M`, `cublas_tflops`, `tbik_tflops`, `ratio`, `relerr_ratio` (the tree's
+||out - ref|| / ||ref|| against a float64 reference over cuBLAS's), replacing FILE's rows and
+summary of the same device.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
+import statistics
 import sys
 import time
 
@@ -201,6 +207,13 @@ def host_overhead_us(fn, n=200) -> float:
     return host
 
 
+def relerr(out, ref) -> float:
+    return float((out.double() - ref).norm() / ref.norm())
+
+
+BENCH_ROWS: list[dict] = []  # bench's measurements, for --json
+
+
 def bench(shapes=SHAPES, ms=MS) -> str:
     rows, big, small, gbig, gsmall = [], [], [], [], []
     for name, n, k in shapes:
@@ -216,6 +229,12 @@ def bench(shapes=SHAPES, ms=MS) -> str:
             g_tree = graph_ms_of(lambda: tbik.tree_matmul(x, w.t()))
             (gbig if m >= 128 else gsmall if m <= 32 else []).append(g_ref / g_tree)
             split = strategy(x, w, k)
+            ref = x.double() @ w.double().t()
+            err = relerr(tbik.tree_matmul(x, w.t()), ref) / relerr(torch.matmul(x, w.t()), ref)
+            del ref
+            BENCH_ROWS.append({"shape": name, "N": n, "K": k, "M": m, "cublas_tflops": flop / t_ref / 1e9,
+                               "tbik_tflops": flop / t_tree / 1e9, "ratio": ratio, "relerr_ratio": err,
+                               "graph_ratio": g_ref / g_tree})
             rows.append((name, n, k, m, f"{t_ref * 1e3:.1f}", f"{flop / t_ref / 1e9:.1f}", f"{t_tree * 1e3:.1f}",
                          f"{flop / t_tree / 1e9:.1f}", f"{ratio:.2f}", f"{g_ref * 1e3:.1f}", f"{g_tree * 1e3:.1f}",
                          f"{g_ref / g_tree:.2f}", split))
@@ -339,12 +358,14 @@ def main() -> None:
     parser.add_argument("what", nargs="*", default=["probe", "accuracy", "bench"],
                         choices=["probe", "accuracy", "bench", "sweep", "host"])
     parser.add_argument("--out", help="folder for <what>.md")
+    parser.add_argument("--json", help="bench's rows and geometric means, kept with other devices' (see above)")
+    parser.add_argument("--repeat", type=int, default=1, help="run bench this many times; --json keeps each row's median")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
     torch.backends.cuda.matmul.allow_tf32 = False
     print(f"device: {device_name()}\n", flush=True)
-    for what in args.what:
+    for what in [w for w in args.what for _ in range(args.repeat if w == "bench" else 1)]:
         t = time.time()
         text = {"probe": probe, "accuracy": accuracy, "bench": bench, "sweep": sweep, "host": host}[what]()
         text = f"## {what}\n\ndevice: {device_name()}\n\n{text}\n\n({time.time() - t:.0f} s)\n"
@@ -352,6 +373,29 @@ def main() -> None:
         if args.out:
             with open(os.path.join(args.out, f"{what}.md"), "w") as f:
                 f.write(text)
+    if args.json and BENCH_ROWS:
+        write_bench_json(args.json)
+
+
+def write_bench_json(path: str) -> None:
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+    from repaudit.files import write_json_atomic
+
+    device = torch.cuda.get_device_name()
+    runs: dict[tuple, list[dict]] = {}
+    for r in BENCH_ROWS:  # one entry per bench run (--repeat)
+        runs.setdefault((r["shape"], r["M"]), []).append(r)
+    mine = [{"device": device, **same[0], "runs": len(same),
+             **{k: statistics.median(r[k] for r in same) for k in same[0] if isinstance(same[0][k], float)}}
+            for same in runs.values()]
+    old = json.load(open(path)) if os.path.exists(path) else {"rows": [], "summary": {}}
+    rows = [r for r in old["rows"] if r["device"] != device] + mine
+    ratios = lambda keep: [r["ratio"] for r in mine if keep(r["M"])]  # noqa: E731
+    summary = {**old["summary"], device: {
+        "geomean_m_ge_128": geomean(ratios(lambda m: m >= 128)), "geomean_m_le_32": geomean(ratios(lambda m: m <= 32)),
+        "relerr_ratio_max": max(r["relerr_ratio"] for r in mine), "runs": len(next(iter(runs.values()))),
+        "versions": device_name(), "command": " ".join(["python3 benchmarks/kernels.py", *sys.argv[1:]])}}
+    write_json_atomic(path, {"rows": rows, "summary": summary})
 
 
 if __name__ == "__main__":

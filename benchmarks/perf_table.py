@@ -18,9 +18,9 @@ PERF = ROOT / "reports" / "perf"
 BEGIN, END = "<!-- perf-table:begin (benchmarks/perf_table.py) -->", "<!-- perf-table:end -->"
 
 
-def _load(name: str) -> list[dict]:
+def _load(name: str, empty=()):
     path = PERF / name
-    return json.loads(path.read_text()) if path.exists() else []
+    return json.loads(path.read_text()) if path.exists() else list(empty)
 
 
 def _tok(x: float) -> str:
@@ -65,6 +65,24 @@ def rows() -> list[list[str]]:
         out.append([f"`--trace` overhead, {r['mode']}, {r['model']}, `{r['probes']}` suite, batch {r['batch']}",
                     "≤ 2x (CPU), ≤ 1.5x (GPU)", f"{r['ratio']:.2f}x ({r['traced_s']:.2f} s / {r['untraced_s']:.2f} s)",
                     r["device"], r["command"]])
+    out += _kernel_rows()
+    return out
+
+
+def _kernel_rows() -> list[list[str]]:
+    out = []
+    matmul = _load("tbik_matmul.json", {"rows": [], "summary": {}})
+    for device, s in (matmul or {}).get("summary", {}).items():
+        for key, target, which in (("geomean_m_ge_128", "≥ 0.80x", "M ≥ 128"), ("geomean_m_le_32", "≥ 0.75x", "M ≤ 32")):
+            out.append([f"tbik.tree_matmul / cuBLAS (torch.matmul), bf16, Qwen3-8B linear shapes, {which}, geometric mean "
+                        f"(median of {s['runs']} runs; error vs fp64 at most {s['relerr_ratio_max']:.2f}x cuBLAS's)", target,
+                        f"{s[key]:.3f}x", device, s["command"]])
+    for r in _load("allreduce.json"):
+        ratios = "; ".join(f"{a} {r[f'ratio_{a}']:.2f}x ({r[f'tree_{a}_us']:.1f} / {r['all_reduce_fp32_us']:.1f} us)"
+                           for a in ("gather", "halving") if f"ratio_{a}" in r)
+        out.append([f"tbik.tree_all_reduce / all_reduce fp32 (bf16: {r['all_reduce_bf16_us']:.1f} us), P={r['P']}, "
+                    f"{r['message']} {r['shape']}, {'CUDA graph replays' if r['timing'] == 'graph' else 'eager calls'}",
+                    "≤ 1.3x", ratios, r["device"], r["command"]])
     return out
 
 

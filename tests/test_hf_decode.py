@@ -209,7 +209,7 @@ def test_a_refused_capture_leaves_the_cache_where_it_was_and_steps_eagerly(monke
 
     fake = SimpleNamespace(Stream=lambda: SimpleNamespace(wait_stream=lambda s: None),
                            current_stream=lambda: SimpleNamespace(wait_stream=lambda s: None),
-                           stream=lambda s: contextlib.nullcontext(), CUDAGraph=object, graph=lambda g: Refused(),
+                           stream=lambda s: contextlib.nullcontext(), CUDAGraph=object, graph=lambda g, **kw: Refused(),
                            synchronize=lambda: None)
     monkeypatch.setattr(hf_decode.torch, "cuda", fake)
     cache = SimpleNamespace(layers=[SimpleNamespace(cumulative_length=torch.tensor(5)) for _ in range(2)])

@@ -40,4 +40,15 @@ def test_every_measured_row_reaches_the_table_with_its_ratio_and_command():
             ratio = r["repaudit_tok_s"] / v["plain_tok_s"]
             assert any(row[2].startswith(f"{ratio:.3f}x") and row[4] == f"{r['command']}; {v['command']}" for row in rows)
             expected += 1
+    # tbik's kernels: the matmul's geometric means per device, every all-reduce row.
+    matmul_file, allreduce_file = ROOT / "reports" / "perf" / "tbik_matmul.json", ROOT / "reports" / "perf" / "allreduce.json"
+    summary = json.loads(matmul_file.read_text())["summary"] if matmul_file.exists() else {}
+    for device, s in summary.items():
+        for key in ("geomean_m_ge_128", "geomean_m_le_32"):
+            assert any(row[2] == f"{s[key]:.3f}x" and row[3] == device and row[4] == s["command"] for row in rows), key
+            expected += 1
+    for r in json.loads(allreduce_file.read_text()) if allreduce_file.exists() else []:
+        assert any(row[2].startswith(f"gather {r['ratio_gather']:.2f}x") and r["message"] in row[0]
+                   and row[3] == r["device"] and row[4] == r["command"] for row in rows), r["message"]
+        expected += 1
     assert len(rows) == expected

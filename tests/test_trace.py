@@ -216,3 +216,44 @@ def test_trace_table_rows_are_each_module_call_at_each_token_once():
     assert got == expected
     assert [i.name for i in infos] == ["inner", "out"]
     assert set(zip(table["module"].to_pylist(), table["order"].to_pylist())) == {("inner", 0), ("out", 1)}
+
+
+def test_positions_after_a_differing_token_are_left_out(traced: Path, tmp_path: Path):
+    """A generate cell that picked another token feeds other inputs from there on: locate leaves
+    those positions out (and counts them) instead of calling the first module a divergence.
+    Made from one tbik cell copied twice: in B, the prompt's token at FORK differs in the
+    records, and every module's digest at FORK and after differs in the trace."""
+    import numpy as np
+    import pyarrow as pa
+
+    src = cell_path(traced, "hf-tp1-bs1-default-tbik-score")
+    records, trace = pq.read_table(src), pq.read_table(trace_path(src))
+    pid, fork = "smoke-arith", 3
+    in_b = np.asarray(records.column("prompt_id").to_pylist()) == pid
+    later = (np.asarray(trace.column("prompt_id").to_pylist()) == pid) & (trace.column("pos").to_numpy() >= fork)
+    after = len(set(trace.column("pos").to_numpy()[later].tolist()))
+    token = records.column("token_id").to_numpy().copy()
+    token[in_b & (records.column("pos").to_numpy() == fork)] += 1
+    digest = trace.column("digest").to_numpy().copy()
+    digest[later] += 1
+
+    def cell(name: str, recs: pa.Table, tr: pa.Table) -> Path:
+        path = tmp_path / f"{name}.parquet"
+        pq.write_table(recs, path)
+        pq.write_table(tr, trace_path(path))
+        return path
+
+    def replaced(table: pa.Table, column: str, values) -> pa.Table:
+        i = table.schema.get_field_index(column)
+        return table.set_column(i, table.schema.field(i), pa.array(values, type=table.schema.field(i).type))
+
+    a = cell("a", records, trace)
+    forked = cell("forked", replaced(records, "token_id", token), replaced(trace, "digest", digest))
+    r = locate(a, forked)
+    assert not r.diverged and r.after_fork == after > 0
+    assert f"{after} positions at or after a sequence's first differing token left out" in r.sentence()
+    assert r.to_dict()["after_fork_positions"] == after
+    # The same trace with the tokens unchanged: the differing digests are a divergence at FORK.
+    same_tokens = cell("same_tokens", records, replaced(trace, "digest", digest))
+    r = locate(a, same_tokens)
+    assert r.diverged and r.after_fork == 0 and r.first_by_prompt[pid][1] == fork

@@ -114,8 +114,10 @@ def _halving(flat: torch.Tensor, world: int, group: dist.ProcessGroup | None) ->
     # the upper or lower half, so the first level's choice is the segment index's highest bit.
     gathered = torch.empty_like(buf)
     _all_gather(gathered, buf[lo:hi].contiguous(), group=group)
-    order = [_bit_reverse(s, world.bit_length() - 1) for s in range(world)]
-    return gathered.view(world, chunk)[order].reshape(-1)[:n]
+    # Views put back in order, not a list index: that would copy the index from the host, which
+    # a CUDA graph cannot capture.
+    segments = gathered.view(world, chunk)
+    return torch.cat([segments[_bit_reverse(s, world.bit_length() - 1)] for s in range(world)])[:n]
 
 
 def _bit_reverse(value: int, bits: int) -> int:

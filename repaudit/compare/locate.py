@@ -8,6 +8,13 @@ sampled features (a lower bound on the row's largest distance). Separately, each
 where its own ranks disagreed on an output every rank should hold whole (a replicated one):
 "ranks disagree at module X" is a divergence inside one cell, reported before any other.
 
+Only positions whose inputs are the same in both cells are compared: where the cells' records
+(the .parquet next to each trace) hold a different token at some position of a sequence (a
+generate cell that picked another token), that position and every later one of the sequence
+are left out, since their inputs or contexts differ and every module output there would differ
+for that reason alone. The divergence that made the token flip is at an earlier position, which
+is compared. The count of positions left out is part of the result.
+
 For a mixture-of-experts model the traces also hold each MoE layer's routing (the experts the
 router chose, per token); the routing section gives, per layer in forward order, how many
 common tokens got the same set of experts, the first layer where any differs, and the
@@ -109,6 +116,7 @@ class LocateResult:
     only_in_one: list[str] = field(default_factory=list)
     rank_disagreements: list[RankDisagreement] = field(default_factory=list)  # in execution order, per side
     routing: RoutingDiff | None = None  # MoE models only
+    after_fork: int = 0  # positions left out: at or after a sequence's first differing token
 
     @property
     def first(self) -> ModuleDiff | None:
@@ -124,6 +132,9 @@ class LocateResult:
         parts = [firsts[side].sentence() for side in sorted(firsts)]
         first = self.first
         routing = [self.routing.sentence()] if self.routing is not None else []
+        if self.after_fork:
+            routing.append(f"{self.after_fork} positions at or after a sequence's first differing token left out "
+                           "(their inputs differ)")
         if first is None:
             parts.append("no module output differs between A and B" if parts else
                          "no module output differs: every traced position is bitwise identical")
@@ -141,6 +152,7 @@ class LocateResult:
             "modules": [m.__dict__ for m in self.modules], "only_in_one": self.only_in_one,
             "rank_disagreements": [d.__dict__ for d in self.rank_disagreements],
             "routing": None if self.routing is None else self.routing.to_dict(),
+            "after_fork_positions": self.after_fork,
         }
 
 
@@ -211,6 +223,9 @@ def locate(path_a: str | Path, path_b: str | Path) -> LocateResult:
     key = ka[ia]
     module = (key // (max_pos + 1)) % len(codes)
     prompt, pos = key // (max_pos + 1) // len(codes), key % (max_pos + 1)
+    same_inputs = pos < _forks(pa_, pb_, prompts, max_pos + 1)[prompt]
+    after_fork = len(np.unique((prompt * (max_pos + 1) + pos)[~same_inputs]))
+    ia, ib, key, module, prompt, pos = (x[same_inputs] for x in (ia, ib, key, module, prompt, pos))
     routers = sorted((n for n in mods_a if n in mods_b and n in codes and mods_a[n].get("routing")),
                      key=lambda n: mods_a[n]["order"])
     routing = _routing(ta, tb, [(n, mods_a[n], np.flatnonzero(module == codes[n])) for n in routers],
@@ -243,7 +258,30 @@ def locate(path_a: str | Path, path_b: str | Path) -> LocateResult:
             first[prompt_names[prompt[i]]] = (module_names[module[i]], int(pos[i]))
     only = sorted(set(mods_a) ^ set(mods_b))
     disagreements = _rank_disagreements("A", cell_a, mods_a) + _rank_disagreements("B", cell_b, mods_b)
-    return LocateResult(str(pa_), str(pb_), cell_a, cell_b, modules, first, only, disagreements, routing)
+    return LocateResult(str(pa_), str(pb_), cell_a, cell_b, modules, first, only, disagreements, routing, after_fork)
+
+
+def _forks(trace_a: Path, trace_b: Path, prompts: dict[str, int], none: int) -> np.ndarray:
+    """Per prompt (numbered as `prompts`), the first position whose token differs between the
+    two cells' records, or `none` where no token differs or a record file is not there."""
+    fork = np.full(len(prompts), none, dtype=np.int64)
+    frames = []
+    for trace in (trace_a, trace_b):
+        record = trace.with_name(trace.name.removesuffix(".trace.parquet") + ".parquet")
+        if not record.is_file():
+            return fork
+        try:
+            frames.append(pq.read_table(record, columns=["prompt_id", "pos", "token_id"]).to_pandas())
+        except (pa.ArrowException, OSError, ValueError, KeyError) as exc:
+            raise InputError(f"{record}: unreadable record ({type(exc).__name__})") from None
+    for frame in frames:
+        frame["prompt_id"] = frame["prompt_id"].astype(str)
+    both = frames[0].merge(frames[1], on=["prompt_id", "pos"], suffixes=("_a", "_b"))
+    flipped = both[both["token_id_a"] != both["token_id_b"]].groupby("prompt_id")["pos"].min()
+    for pid, pos in flipped.items():
+        if pid in prompts:
+            fork[prompts[pid]] = int(pos)
+    return fork
 
 
 def _routing(ta: pa.Table, tb: pa.Table, routers: list[tuple[str, dict[str, Any], np.ndarray]], ia: np.ndarray,

@@ -84,7 +84,8 @@ def load(path: str, *, dtype: str, device: str, tp: int, trust_remote_code: bool
         # "language_model", so model.base_model would be the CausalLM itself; point it at the
         # module the CausalLM's forward calls (this instance only).
         model.base_model_prefix = base
-    decode = "graphs" if local.type == "cuda" and tp == 1 and hf_decode.static_supported(model) else "dynamic"
+    # Every TP size decodes the same way, so a TP=1 vs TP=2 diff measures TP, not the cache.
+    decode = "graphs" if local.type == "cuda" and hf_decode.static_supported(model) else "dynamic"
     return HFModel(model=model, device=local, tp=tp, stop_ids=tuple(stop_ids), pad_id=pad_id,
                    log_softmax=lambda x: torch.log_softmax(x, dim=-1), decode=decode)
 

@@ -16,9 +16,14 @@ Bits:
   over the whole masked cache, so stock records are model.generate(cache_implementation="static")'s,
   which are not "dynamic"'s.
 
-Used where it is known to hold: CUDA, one rank (transformers' TP hooks are not captured), and a
-family whose layers are all full attention from STATIC_FAMILIES. Anything else decodes eagerly
-with a dynamic cache, as before.
+Tensor parallelism: each rank captures its own graph, collectives included (transformers'
+row-parallel all-reduces, tbik's all-gather, the broadcast of the chosen tokens). NCCL
+collectives replay from a graph as they ran when captured, on the same buffers, and every rank
+replays the same sequence of them, so the ranks stay in step. The static cache holds each rank's
+own KV heads (it is sized from the first keys it is given).
+
+Used where it is known to hold: CUDA and a family whose layers are all full attention from
+STATIC_FAMILIES. Anything else decodes eagerly with a dynamic cache.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 
 # Dense families whose static-cache decode is checked on the CPU against the model's own
 # static-cache forward (test_conformance.py, stock) and against the dynamic cache
@@ -94,8 +100,11 @@ class GraphedStep:
         torch.cuda.current_stream().wait_stream(stream)
         _set_cache_lengths(self.cache, lengths)
         graph = torch.cuda.CUDAGraph()
+        # With several ranks, NCCL's watchdog thread polls events while this thread captures;
+        # "thread_local" keeps its calls from invalidating the capture.
+        mode = "thread_local" if dist.is_initialized() and dist.get_world_size() > 1 else "global"
         try:
-            with torch.cuda.graph(graph):
+            with torch.cuda.graph(graph, capture_error_mode=mode):
                 self.outputs = self.forward(*self.inputs)
         except RuntimeError as exc:  # a host sync or an unsupported op inside the step
             self.failed = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
