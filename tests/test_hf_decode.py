@@ -228,3 +228,59 @@ def test_a_refused_capture_leaves_the_cache_where_it_was_and_steps_eagerly(monke
     assert [int(layer.cumulative_length) for layer in cache.layers] == [6, 6]  # warm-up undone, one real step
     step(torch.tensor([[4]]), torch.ones(1, 1, 1, 8, dtype=torch.bool), torch.tensor([[6]]))
     assert len(calls) == 3 and step.graph is None  # warm-up, the eager step, then eager again
+
+
+def test_traced_graph_replays_give_the_eager_steps_trace(tiny, monkeypatch):
+    """Under --trace the decode step is captured with the tracer's hooks, and each replay hands
+    the tracer copies of what they computed. With a stand-in graph whose replay recomputes the
+    step into the captured tensors in place (what a CUDA graph replay does), the trace and the
+    records are the eager static steps', bit for bit, with rows finishing at different steps
+    (the warm-up's and the capture's own calls are dropped, each step's dead rows settled)."""
+    import contextlib
+    from types import SimpleNamespace
+
+    from repaudit.run.trace import Tracer
+
+    made = []
+    real_step = hf_decode.GraphedStep
+    monkeypatch.setattr(hf_decode, "GraphedStep", lambda *a, **k: made.append(real_step(*a, **k)) or made[-1])
+
+    class Graph:
+        def replay(self):
+            step = made[-1]
+            mark = step.tracer.mark()
+            new = step.forward(*step.inputs)
+            taken = step.tracer.take_since(mark)
+            for (_, *mine), (_, *now) in zip(step.traced, taken, strict=True):
+                for buf, value in zip(mine, now):
+                    if buf is not None:
+                        buf.copy_(value)
+            for k, v in new.items():
+                step.outputs[k].copy_(v)
+
+    def traced(decode: str):
+        tiny.tracer = Tracer(tiny.model, 1)
+        try:
+            rows = _generate(tiny, decode, _batch(new=7), "tbik")
+            tiny.tracer.detach()
+            return rows, tiny.tracer.finish()[0]
+        finally:
+            tiny.tracer = None
+
+    @contextlib.contextmanager
+    def capture(graph, **kwargs):  # a capture runs nothing: the cache stays where it was
+        lengths = hf_decode._cache_lengths(made[-1].cache)
+        yield
+        hf_decode._set_cache_lengths(made[-1].cache, lengths)
+
+    eager_rows, eager_trace = traced("static")
+    fake = SimpleNamespace(Stream=lambda: SimpleNamespace(wait_stream=lambda s: None), is_available=lambda: False,
+                           current_stream=lambda: SimpleNamespace(wait_stream=lambda s: None),
+                           stream=lambda s: contextlib.nullcontext(), CUDAGraph=Graph,
+                           graph=capture, synchronize=lambda: None)
+    monkeypatch.setattr(hf_decode.torch, "cuda", fake)
+    monkeypatch.setattr(hf_decode, "graphs_available", lambda device: True)
+    graph_rows, graph_trace = traced("graphs")
+    assert len(made) == 1 and made[0].graph is not None and made[0].traced  # captured, and replayed
+    assert all(_bits_equal(a, b) for a, b in zip(eager_rows, graph_rows))
+    assert graph_trace.num_rows == eager_trace.num_rows > 0 and graph_trace.equals(eager_trace)

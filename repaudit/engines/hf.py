@@ -48,9 +48,10 @@ class HFModel:
 
 def _forward(hfm: HFModel, ids: torch.Tensor, mask: Any, positions: torch.Tensor,
              real: torch.Tensor | None, prompt_ids: list[str], **kwargs) -> torch.Tensor:
-    """base_model forward; tells the tracer (if any) which flat rows are real and where they sit.
+    """base_model forward; tells the tracer (if any) which flat rows are real and where they sit
+    (`real` None: a decode step, whose rows the caller gave the tracer with begin_step).
     `mask`: a 2-D padding mask, or a 4-D one the base model takes as it is (hf_decode.static_mask)."""
-    if hfm.tracer is not None:
+    if hfm.tracer is not None and real is not None:
         flat = real.flatten().nonzero().flatten()
         rows_b = (flat // ids.shape[1]).cpu().numpy()
         pos = positions.flatten()[flat].cpu().numpy()
@@ -58,7 +59,7 @@ def _forward(hfm: HFModel, ids: torch.Tensor, mask: Any, positions: torch.Tensor
     try:
         return hfm.model.base_model(input_ids=ids, attention_mask=mask, position_ids=positions, **kwargs).last_hidden_state
     finally:
-        if hfm.tracer is not None:
+        if hfm.tracer is not None and real is not None:  # a decode step's caller ends what it began
             hfm.tracer.end()
 
 
@@ -322,8 +323,8 @@ def generate(hfm: HFModel, batch: list[Sequence], topk: int) -> tuple[list[Token
     plens = [len(s.prompt) for s in batch]
     T = max(plens)
     decode = hfm.decode
-    if decode == "graphs" and (hfm.tracer is not None or hfm.device.type != "cuda"):
-        decode = "static"  # no graphs off CUDA, nor under the tracer, whose hooks run host code
+    if decode == "graphs" and not hf_decode.graphs_available(hfm.device):
+        decode = "static"
     if decode not in DECODES:
         raise ValueError(f"unknown decode {decode!r}: one of {', '.join(DECODES)}")
     max_new = max(s.max_new_tokens for s in batch)
@@ -348,13 +349,14 @@ def generate(hfm: HFModel, batch: list[Sequence], topk: int) -> tuple[list[Token
             dist.broadcast(nxt, src=0)
         return {**_extract(logits, lp, nxt, topk), "chosen": nxt}
 
-    def eager_step(feed: torch.Tensor, step_mask: Any, pos: torch.Tensor, live: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-        hidden = _forward(hfm, feed, step_mask, pos, live, pids, past_key_values=cache, use_cache=True)
+    def eager_step(feed: torch.Tensor, step_mask: Any, pos: torch.Tensor) -> dict[str, torch.Tensor]:
+        hidden = _forward(hfm, feed, step_mask, pos, None, pids, past_key_values=cache, use_cache=True)
         return choose(hidden[:, -1])
 
-    # The whole step, head and record values included, is one graph: between replays the host
-    # only copies the next inputs in.
-    graphed = hf_decode.GraphedStep(eager_step, cache) if decode == "graphs" else None
+    # The whole step, head, record values and the tracer's digests included, is one graph:
+    # between replays the host only copies the next inputs in.
+    graphed = hf_decode.GraphedStep(eager_step, cache, tracer=hfm.tracer) if decode == "graphs" else None
+    traced_ids = np.asarray(pids, dtype=object)
 
     _sync(hfm.device)
     t0 = time.perf_counter()
@@ -389,10 +391,11 @@ def generate(hfm: HFModel, batch: list[Sequence], topk: int) -> tuple[list[Token
             step_mask = hf_decode.static_mask(hfm.model, mask, cache, 1)
         else:
             step_mask = hf_decode.advance_mask(step_mask, slot)
-        if graphed is not None:
-            step = graphed(feed, step_mask, positions)
-        else:
-            step = eager_step(feed, step_mask, positions, ~done[:, None])
+        if hfm.tracer is not None:  # the rows that feed a real token; a finished row feeds a pad
+            hfm.tracer.begin_step(traced_ids, positions[:, -1], ~done)
+        step = graphed(feed, step_mask, positions) if graphed is not None else eager_step(feed, step_mask, positions)
+        if hfm.tracer is not None:
+            hfm.tracer.end()
     gen_len = gen_len.cpu().numpy()
     timing.decode_s = time.perf_counter() - t1
     timing.decode_tokens = int(gen_len.sum()) - B  # every row's first token came from the prefill

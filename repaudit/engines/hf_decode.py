@@ -28,7 +28,7 @@ STATIC_FAMILIES. Anything else decodes eagerly with a dynamic cache.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -52,6 +52,11 @@ def static_supported(model: torch.nn.Module) -> bool:
             and getattr(cfg, "sliding_window", None) is None and cfg._attn_implementation in ("sdpa", "eager"))
 
 
+def graphs_available(device: torch.device) -> bool:
+    """Whether decode steps on `device` can be replayed from CUDA graphs (else they run eagerly)."""
+    return device.type == "cuda"
+
+
 def new_cache(model: torch.nn.Module, slots: int) -> Any:
     from transformers import StaticCache
 
@@ -70,6 +75,8 @@ class GraphedStep:
 
     forward: Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor], dict[str, torch.Tensor]]
     cache: Any
+    tracer: Any = None  # a repaudit.run.trace.Tracer: its hooks' kernels are captured too
+    traced: list = field(default_factory=list)  # the tracer's calls recorded by the capture (Tracer.take_since)
     inputs: tuple[torch.Tensor, ...] = ()  # ids, mask, positions: the graph's fixed buffers
     outputs: dict[str, torch.Tensor] | None = None
     graph: Any = None
@@ -86,6 +93,11 @@ class GraphedStep:
                                    f"{tuple(x.shape)} {x.dtype} after the graph was captured")
             buf.copy_(x)
         self.graph.replay()
+        return self._outputs()
+
+    def _outputs(self) -> dict[str, torch.Tensor]:
+        if self.tracer is not None:
+            self.tracer.replay(self.traced)
         return {k: v.clone() for k, v in self.outputs.items()}
 
     def _capture(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -93,12 +105,16 @@ class GraphedStep:
         lengths = _cache_lengths(self.cache)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
+        mark = self.tracer.mark() if self.tracer is not None else None
         with torch.cuda.stream(stream):
             # Warm-up on the capture's stream: Triton compiles and cuBLAS sets up here, not
-            # inside the capture. It writes this step's cache slot, which the replay rewrites.
+            # inside the capture. It writes this step's cache slot, which the replay rewrites;
+            # what it traced is dropped, the replay traces the step.
             self.forward(*self.inputs)
         torch.cuda.current_stream().wait_stream(stream)
         _set_cache_lengths(self.cache, lengths)
+        if mark is not None:
+            self.tracer.take_since(mark)
         graph = torch.cuda.CUDAGraph()
         # With several ranks, NCCL's watchdog thread polls events while this thread captures;
         # "thread_local" keeps its calls from invalidating the capture.
@@ -110,10 +126,14 @@ class GraphedStep:
             self.failed = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             torch.cuda.synchronize()
             _set_cache_lengths(self.cache, lengths)
+            if mark is not None:
+                self.tracer.take_since(mark)
             return self.forward(ids, mask, positions)
+        if mark is not None:
+            self.traced = self.tracer.take_since(mark)
         self.graph = graph
         graph.replay()
-        return {k: v.clone() for k, v in self.outputs.items()}
+        return self._outputs()
 
 
 def _cache_lengths(cache: Any) -> list[torch.Tensor]:

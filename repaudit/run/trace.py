@@ -13,6 +13,12 @@ shard): a style that declares its output layout decides; any other module's outp
 exactly when one of its inputs is (Qwen3's per-head q_norm, the MLP activation). Ranks that
 disagree on a replicated output are counted per module, a finding of their own.
 
+A decode step tells the tracer its rows without reading anything from the device
+(begin_step): every row of the step is digested, and finish() keeps the rows that were live.
+So a traced decode loop never waits for the device, and its steps can be replayed from a CUDA
+graph: the graph holds the hooks' kernels, and after each replay the caller hands the tracer
+copies of their outputs (mark / take_since / replay).
+
 A mixture-of-experts layer's fused experts module is called with the router's choice
 (hidden, top_k_index, top_k_weights), whatever router made it: its pre-hook records, per real
 token, the chosen expert ids sorted ascending (the set, not the router's ranking) as the row
@@ -61,6 +67,9 @@ class Tracer:
         self.styles = tp_styles(model)
         self.calls: dict[str, _Calls] = {}
         self._keys: list[tuple[np.ndarray, np.ndarray]] = []
+        # Decode steps' keys, settled in finish(): key index -> (positions, live rows), on the device.
+        self._pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._all_rows: dict[tuple[int, torch.device], torch.Tensor] = {}
         self._ctx: tuple[tuple[int, int], torch.Tensor] | None = None
         # Storages of this forward's sharded outputs. A weak reference keeps a storage's identity
         # unique while it lives on, so freed memory handed to a new tensor is never taken for a shard.
@@ -90,9 +99,49 @@ class Tracer:
         self._keys.append((prompt_ids, pos))
         self._ctx = ((batch, length), rows)
 
+    def begin_step(self, prompt_ids: np.ndarray, pos: torch.Tensor, live: torch.Tensor) -> None:
+        """The next forward is one decode step of len(prompt_ids) rows (one token each) at
+        positions `pos`, of which `live` (bool) are real; both stay on the device until finish()."""
+        batch = len(prompt_ids)
+        key = (batch, pos.device)
+        if key not in self._all_rows:  # kept: a captured graph reads this very tensor
+            self._all_rows[key] = torch.arange(batch, device=pos.device)
+        self._pending[len(self._keys)] = (pos.clone(), live.clone())
+        self._keys.append((np.asarray(prompt_ids, dtype=object), np.zeros(0, dtype=np.int64)))
+        self._ctx = ((batch, 1), self._all_rows[key])
+
     def end(self) -> None:
         self._ctx = None
         self._shards.clear()
+
+    # ------------------------------------------------------------------ CUDA graphs
+    def mark(self) -> dict[str, int]:
+        """Where every module's recorded calls end now."""
+        return {name: len(c.digests) for name, c in self.calls.items()}
+
+    def take_since(self, mark: dict[str, int]) -> list[tuple[_Calls, torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+        """Remove and return the calls recorded after `mark` (a graph capture's: their tensors
+        are the graph's, rewritten by every replay), in each module's call order."""
+        taken = []
+        for name, c in self.calls.items():
+            n = mark.get(name, 0)
+            for i in range(n, len(c.digests)):
+                taken.append((c, c.digests[i], c.samples[i], c.experts[i] if c.info.routing else None))
+            del c.digests[n:], c.samples[n:], c.keys[n:]
+            if c.info.routing:
+                del c.experts[n:]
+        return taken
+
+    def replay(self, taken: list[tuple[_Calls, torch.Tensor, torch.Tensor, torch.Tensor | None]]) -> None:
+        """Record a replayed graph's calls (take_since's answer at its capture) for the current
+        forward: copies, since the next replay rewrites them."""
+        key = len(self._keys) - 1
+        for calls, digests, samples, experts in taken:
+            calls.digests.append(digests.clone())
+            calls.samples.append(samples.clone())
+            calls.keys.append(key)
+            if experts is not None:
+                calls.experts.append(experts.clone())
 
     # ------------------------------------------------------------------ hooks
     def _hook(self, name: str):
@@ -183,6 +232,7 @@ class Tracer:
     # ------------------------------------------------------------------ results
     def finish(self) -> tuple[pa.Table, list[ModuleInfo]] | None:
         """Combine shards across ranks (every rank must call this); rank 0 gets the table."""
+        self._settle()
         names = sorted(self.calls, key=lambda n: self.calls[n].info.order)
         replicated = [n for n in names if not self.calls[n].info.sharded]
         if self.tp > 1 and replicated:
@@ -226,6 +276,27 @@ class Tracer:
             _experts_column(counts, experts, sel),
         ], schema=SCHEMA)
         return table, [c.info for c in calls]
+
+    def _settle(self) -> None:
+        """Decode steps' rows that were not live go; their keys get their positions. One host
+        copy per step's two vectors, one gather per module and column."""
+        if not self._pending:
+            return
+        keep: dict[int, np.ndarray] = {}
+        for k, (pos, live) in self._pending.items():
+            keep[k] = live.cpu().numpy().astype(bool)
+            self._keys[k] = (self._keys[k][0][keep[k]], pos.cpu().numpy().astype(np.int64)[keep[k]])
+        self._pending.clear()
+        for c in self.calls.values():
+            if not any(k in keep for k in c.keys):
+                continue
+            rows = np.concatenate([keep[k] if k in keep else np.ones(len(d), dtype=bool) for k, d in zip(c.keys, c.digests)])
+            lengths = [int(keep[k].sum()) if k in keep else len(d) for k, d in zip(c.keys, c.digests)]
+            index = torch.from_numpy(np.flatnonzero(rows)).to(c.digests[0].device)
+            c.digests = list(torch.cat(c.digests)[index].split(lengths))
+            c.samples = list(torch.cat(c.samples)[index].split(lengths))
+            if c.info.routing:
+                c.experts = list(torch.cat(c.experts)[index].split(lengths))
 
     def _tokens(self) -> tuple[list[str], tuple[np.ndarray, np.ndarray], list[np.ndarray], bool]:
         """The traced tokens (prompt, position): the sorted prompt ids, each token's (prompt code,
