@@ -485,7 +485,6 @@ def test_columns_on_one_side_only_are_never_read_as_equal(tmp_path):
 
 def test_digests_on_part_of_the_rows(tmp_path):
     a = _side({"p": [(i, 1, M2) for i in range(4)]})
-    b = _side({"p": [(i, 1, M2) for i in range(4)]})
     pa_ = a.write(tmp_path / "a.parquet")
     table = pq.read_table(pa_)
     digests = table.column("row_digest").to_pylist()
