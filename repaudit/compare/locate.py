@@ -265,22 +265,26 @@ def _forks(trace_a: Path, trace_b: Path, prompts: dict[str, int], none: int) -> 
     """Per prompt (numbered as `prompts`), the first position whose token differs between the
     two cells' records, or `none` where no token differs or a record file is not there."""
     fork = np.full(len(prompts), none, dtype=np.int64)
-    frames = []
+    tables = []
     for trace in (trace_a, trace_b):
         record = trace.with_name(trace.name.removesuffix(".trace.parquet") + ".parquet")
         if not record.is_file():
             return fork
         try:
-            frames.append(pq.read_table(record, columns=["prompt_id", "pos", "token_id"]).to_pandas())
+            tables.append(pq.ParquetFile(record).read(columns=["prompt_id", "pos", "token_id"]))
         except (pa.ArrowException, OSError, ValueError, KeyError) as exc:
             raise InputError(f"{record}: unreadable record ({type(exc).__name__})") from None
-    for frame in frames:
-        frame["prompt_id"] = frame["prompt_id"].astype(str)
-    both = frames[0].merge(frames[1], on=["prompt_id", "pos"], suffixes=("_a", "_b"))
-    flipped = both[both["token_id_a"] != both["token_id_b"]].groupby("prompt_id")["pos"].min()
-    for pid, pos in flipped.items():
-        if pid in prompts:
-            fork[prompts[pid]] = int(pos)
+    span = max([int(pc.max(t.column("pos")).as_py() or 0) for t in tables if len(t)] or [0]) + 1
+    keys, tokens = [], []
+    for table in tables:
+        codes, values = _codes(table, "prompt_id")
+        prompt = np.array([prompts.get(v, -1) for v in values], dtype=np.int64)[codes]
+        traced = prompt >= 0
+        keys.append(prompt[traced] * span + table.column("pos").to_numpy().astype(np.int64)[traced])
+        tokens.append(table.column("token_id").to_numpy()[traced])
+    common, ia, ib = np.intersect1d(keys[0], keys[1], assume_unique=True, return_indices=True)
+    flipped = common[tokens[0][ia] != tokens[1][ib]]
+    np.minimum.at(fork, flipped // span, flipped % span)
     return fork
 
 
