@@ -238,6 +238,10 @@ def run(matrix: Matrix, opts: RunOptions, console: Console | None = None,
                 signal.signal(s, handler)
             if leader:
                 remove_partial_files(run_dir)
+        if inplace and not stop:
+            from .worker import release_group
+
+            release_group()
         manifest.data.wall_s = time.perf_counter() - started
         if leader:
             manifest.save()

@@ -31,7 +31,11 @@ def _reason(exc: BaseException) -> str:
     return f"{kind}: {first}" if first else kind
 
 
+_OWN_GROUP = False  # whether this process's default process group was made by _init
+
+
 def _init(spec: JobSpec):
+    global _OWN_GROUP
     import torch
     import torch.distributed as dist
 
@@ -42,7 +46,21 @@ def _init(spec: JobSpec):
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
         # Hangs are the launcher's to judge (per-cell timeout); keep the backend's own watchdog out of it.
         dist.init_process_group("nccl" if spec.device == "cuda" else "gloo", timeout=timedelta(hours=24))
+        _OWN_GROUP = True
     return dist.get_rank() if dist.is_initialized() else 0
+
+
+def release_group() -> None:
+    """Inside a caller's torchrun job: the ranks wait for each other, then the process group
+    _init made goes, so no rank exits while another still talks to it (a rank leaving with its
+    gloo threads running can abort the job). A group the caller made stays theirs."""
+    global _OWN_GROUP
+    import torch.distributed as dist
+
+    if _OWN_GROUP and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    _OWN_GROUP = False
 
 
 def _references(spec: JobSpec, rank: int) -> dict[str, list[int]] | None:
