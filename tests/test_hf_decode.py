@@ -193,6 +193,29 @@ def test_graph_replays_are_the_eager_static_steps_bit_for_bit(mode):
         assert all(_bits_equal(a, b) for a, b in zip(dynamic, graphs)), f"{mode}: graphs differ from the dynamic cache"
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_traced_graph_replays_are_the_eager_static_steps_trace_bit_for_bit():
+    """--trace on a GPU: the step captured with the tracer's digest kernels gives the records
+    and the trace of eager static steps, bit for bit, without falling back to eager steps."""
+    from repaudit.run.trace import Tracer
+
+    path = builtin.ensure("builtin:qwen3-0.6b")
+    hfm = hf.load(str(path), dtype="bfloat16", device="cuda", tp=1, stop_ids=(), pad_id=0)
+    out = {}
+    for decode in ("static", "graphs"):
+        hfm.tracer = Tracer(hfm.model, 1)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            rows = _generate(hfm, decode, _batch(new=12), "tbik")
+        hfm.tracer.detach()
+        out[decode] = rows, hfm.tracer.finish()[0]
+        hfm.tracer = None
+    (eager_rows, eager_trace), (graph_rows, graph_trace) = out["static"], out["graphs"]
+    assert all(_bits_equal(a, b) for a, b in zip(eager_rows, graph_rows))
+    assert graph_trace.num_rows == eager_trace.num_rows > 0 and graph_trace.equals(eager_trace)
+
+
 def test_a_refused_capture_leaves_the_cache_where_it_was_and_steps_eagerly(monkeypatch):
     """When the capture raises (a host sync inside the step), the warm-up's advance of the cache
     is undone and the step runs eagerly: the cache ends one step further, not two, and every
