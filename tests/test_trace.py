@@ -163,6 +163,20 @@ def test_report_shows_the_first_divergent_module_of_traced_pairs(traced: Path):
     assert "no module output differs" in md  # the tbik pair
 
 
+def test_locating_cells_against_one_reference_reads_it_once(traced: Path, monkeypatch):
+    from repaudit.compare import locate as locate_module
+
+    reads = []
+    real_read = locate_module._read
+    monkeypatch.setattr(locate_module, "_read", lambda path: reads.append(path) or real_read(path))
+    ref = cell_path(traced, "hf-tp1-bs1-default-stock-score")
+    cells = [cell_path(traced, c) for c in ("hf-tp2-bs1-default-stock-score", "hf-tp1-bs1-default-tbik-score")]
+    traces: dict = {}
+    shared = [locate(ref, c, traces).to_dict() for c in cells]
+    assert reads.count(trace_path(ref)) == 1 and len(reads) == 3
+    assert shared == [locate(ref, c).to_dict() for c in cells]
+
+
 def test_trace_table_rows_are_each_module_call_at_each_token_once():
     """The table built from a traced model whose one Linear runs twice per forward (a shared
     module): every (prompt, position, module) once, the shared module's first call kept, each

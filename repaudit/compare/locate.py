@@ -184,6 +184,14 @@ def _read(path: Path) -> tuple[pa.Table, dict[str, Any], dict[str, dict[str, Any
     return table, cell, modules
 
 
+def _read_once(path: Path, traces: dict[str, tuple] | None) -> tuple[pa.Table, dict[str, Any], dict[str, dict[str, Any]]]:
+    if traces is None:
+        return _read(path)
+    if str(path) not in traces:
+        traces[str(path)] = _read(path)
+    return traces[str(path)]
+
+
 def _codes(table: pa.Table, name: str) -> tuple[np.ndarray, list[str]]:
     """A dictionary column as (codes, values), without building a string per row."""
     arr = table.column(name).combine_chunks()
@@ -202,15 +210,17 @@ def _keys(table: pa.Table, prompts: dict[str, int], modules: dict[str, int], max
     return (p * len(modules) + m) * (max_pos + 1) + pos
 
 
-def _samples(table: pa.Table, rows: np.ndarray) -> np.ndarray:
-    flat = table.column("sample").combine_chunks().flatten().to_numpy()
-    return flat.reshape(len(table), -1)[rows]
+def _samples(table: pa.Table) -> np.ndarray:
+    """The sampled features' bits, [rows, SAMPLES] (one copy of the column)."""
+    return table.column("sample").combine_chunks().flatten().to_numpy().reshape(len(table), -1)
 
 
-def locate(path_a: str | Path, path_b: str | Path) -> LocateResult:
+def locate(path_a: str | Path, path_b: str | Path, traces: dict[str, tuple] | None = None) -> LocateResult:
+    """`traces`: read traces by path, filled as they are read; a caller that locates several
+    cells against one reference passes the same dict, so the reference is read once."""
     pa_, pb_ = trace_path(path_a), trace_path(path_b)
-    ta, cell_a, mods_a = _read(pa_)
-    tb, cell_b, mods_b = _read(pb_)
+    ta, cell_a, mods_a = _read_once(pa_, traces)
+    tb, cell_b, mods_b = _read_once(pb_, traces)
     prompt_names = sorted(set(_codes(ta, "prompt_id")[1]) | set(_codes(tb, "prompt_id")[1]))
     module_names = sorted(set(_codes(ta, "module")[1]) | set(_codes(tb, "module")[1]))
     prompts = {v: i for i, v in enumerate(prompt_names)}
@@ -235,16 +245,25 @@ def locate(path_a: str | Path, path_b: str | Path) -> LocateResult:
     ia, ib, key, module, prompt, pos = ia[keep], ib[keep], key[keep], module[keep], prompt[keep], pos[keep]
     differ = ta.column("digest").to_numpy()[ia] != tb.column("digest").to_numpy()[ib]
 
+    # Per module: its compared rows, and its differing ones (in row order) from one sort.
+    compared = np.bincount(module, minlength=len(codes))
+    by_module = np.flatnonzero(differ)
+    by_module = by_module[np.argsort(module[by_module], kind="stable")]
+    bounds = np.searchsorted(module[by_module], np.arange(len(codes) + 1))
+    samples_a = samples_b = None
     modules = []
     for name in sorted(shared, key=lambda n: mods_a[n]["order"]):
-        rows = module == codes.get(name, -1)
-        d = np.flatnonzero(rows & differ)
+        c = codes.get(name)
+        d = by_module[bounds[c]:bounds[c + 1]] if c is not None else by_module[:0]
         max_ulp = nan = 0
         if len(d):
-            u = ulp_distance_bits(_samples(ta, ia[d]), _samples(tb, ib[d]), mods_a[name]["dtype"])
+            if samples_a is None:
+                samples_a, samples_b = _samples(ta), _samples(tb)
+            u = ulp_distance_bits(samples_a[ia[d]], samples_b[ib[d]], mods_a[name]["dtype"])
             max_ulp, nan = int(u.distance.max()), int(u.nan_vs_number.sum())
         modules.append(ModuleDiff(name=name, order=int(mods_a[name]["order"]), style=mods_a[name].get("style"),
-                                 compared=int(rows.sum()), differing=len(d), max_ulp=max_ulp, nan_mismatch=nan))
+                                 compared=int(compared[c]) if c is not None else 0, differing=len(d),
+                                 max_ulp=max_ulp, nan_mismatch=nan))
     # Per prompt, the differing row earliest in execution order, then in position.
     order_of = np.full(len(codes), 1 << 30, dtype=np.int64)
     for m in modules:

@@ -165,13 +165,20 @@ def _locates(pairs: list[PairOutcome]) -> list[tuple[str, str, Any]]:
     from ..compare.locate import locate
     from ..record.tracefile import trace_path
 
-    out = []
-    for p in pairs:
-        if p.result is None or p.path_a is None or p.path_b is None:
-            continue
-        if trace_path(p.path_a).is_file() and trace_path(p.path_b).is_file():
-            out.append((p.cell, p.reference, locate(p.path_a, p.path_b)))
-    return out
+    todo = [p for p in pairs if p.result is not None and p.path_a is not None and p.path_b is not None
+            and trace_path(p.path_a).is_file() and trace_path(p.path_b).is_file()]
+    # Grouped by reference, which is read once per group; only it is kept between pairs (a
+    # trace of a long suite is hundreds of MB in memory).
+    located: dict[int, Any] = {}
+    traces: dict[str, tuple] = {}
+    for i in sorted(range(len(todo)), key=lambda i: str(todo[i].path_a)):
+        p = todo[i]
+        if str(trace_path(p.path_a)) not in traces:
+            traces.clear()
+        located[i] = locate(p.path_a, p.path_b, traces)
+        if trace_path(p.path_b) != trace_path(p.path_a):
+            traces.pop(str(trace_path(p.path_b)), None)
+    return [(p.cell, p.reference, located[i]) for i, p in enumerate(todo)]
 
 
 def build_pair(outcome: PairOutcome, thresholds: Thresholds, gate: GateResult) -> ReportData:
