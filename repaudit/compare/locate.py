@@ -35,7 +35,7 @@ import pyarrow.parquet as pq
 
 from ..errors import InputError
 from ..record.floats import ulp_distance_bits
-from ..record.tracefile import KEY_CELL, KEY_MODULES, KEY_VERSION, READABLE_VERSIONS, trace_path
+from ..record.tracefile import KEY_CELL, KEY_MODULES, KEY_VERSION, READABLE_VERSIONS, record_path, trace_path
 
 
 @dataclass
@@ -200,6 +200,10 @@ def _codes(table: pa.Table, name: str) -> tuple[np.ndarray, list[str]]:
     return arr.indices.to_numpy(zero_copy_only=False).astype(np.int64), arr.dictionary.to_pylist()
 
 
+def _max_pos(*tables: pa.Table) -> int:
+    return max([int(pc.max(t.column("pos")).as_py() or 0) for t in tables if len(t)] or [0])
+
+
 def _keys(table: pa.Table, prompts: dict[str, int], modules: dict[str, int], max_pos: int) -> np.ndarray:
     """(prompt, module, pos) of each row as one int64, in a numbering both traces share."""
     p_codes, p_values = _codes(table, "prompt_id")
@@ -225,7 +229,7 @@ def locate(path_a: str | Path, path_b: str | Path, traces: dict[str, tuple] | No
     module_names = sorted(set(_codes(ta, "module")[1]) | set(_codes(tb, "module")[1]))
     prompts = {v: i for i, v in enumerate(prompt_names)}
     codes = {v: i for i, v in enumerate(module_names)}
-    max_pos = max([int(pc.max(t.column("pos")).as_py() or 0) for t in (ta, tb) if len(t)] or [0])
+    max_pos = _max_pos(ta, tb)
     if len(prompts) * len(codes) * (max_pos + 1) >= 1 << 62:
         raise InputError(f"{pa_}: too many prompts, modules and positions to align in one key")
     ka, kb = _keys(ta, prompts, codes, max_pos), _keys(tb, prompts, codes, max_pos)
@@ -286,14 +290,14 @@ def _forks(trace_a: Path, trace_b: Path, prompts: dict[str, int], none: int) -> 
     fork = np.full(len(prompts), none, dtype=np.int64)
     tables = []
     for trace in (trace_a, trace_b):
-        record = trace.with_name(trace.name.removesuffix(".trace.parquet") + ".parquet")
+        record = record_path(trace)
         if not record.is_file():
             return fork
         try:
             tables.append(pq.ParquetFile(record).read(columns=["prompt_id", "pos", "token_id"]))
         except (pa.ArrowException, OSError, ValueError, KeyError) as exc:
             raise InputError(f"{record}: unreadable record ({type(exc).__name__})") from None
-    span = max([int(pc.max(t.column("pos")).as_py() or 0) for t in tables if len(t)] or [0]) + 1
+    span = _max_pos(*tables) + 1
     keys, tokens = [], []
     for table in tables:
         codes, values = _codes(table, "prompt_id")

@@ -52,6 +52,12 @@ def trace_path(record_path: str | os.PathLike) -> Path:
     return p if p.name.endswith(".trace.parquet") else p.with_name(p.name.removesuffix(".parquet") + ".trace.parquet")
 
 
+def record_path(trace: str | os.PathLike) -> Path:
+    """The record a trace belongs to (trace_path's inverse)."""
+    p = Path(trace)
+    return p.with_name(p.name.removesuffix(".trace.parquet") + ".parquet")
+
+
 def write_trace(path: Path, table: pa.Table, modules: list[ModuleInfo], cell: dict[str, Any]) -> Path:
     from ..files import write_parquet_atomic
 
