@@ -9,6 +9,9 @@
 #                                          # (transformers TP=1 tbik) versus rollout (vLLM tbik) and
 #                                          # the vLLM GPU tests; then TP=2 (tbik first) and the diffs
 #   PHASE=3 bash benchmarks/gpu_vllm.sh    # one GPU: the vLLM GPU tests, speed TP=1 stock
+#   PHASE=4 bash benchmarks/gpu_vllm.sh    # two GPUs: the vLLM GPU tests on GPU 1 beside speed TP=1
+#                                          # (stock, with the fixtures, and tbik) on GPU 0
+#   PHASE=5 bash benchmarks/gpu_vllm.sh    # two GPUs: speed TP=2 stock,tbik
 #
 # The run: `repaudit run --engine vllm --tp 1,2 --batch-size 1,8,32 --kernels stock,bi,tbik
 # --mode generate,score` on builtin:qwen3-0.6b, default suite, 16 new tokens, top-5, every score
@@ -40,6 +43,15 @@ if [ "${PHASE:-1}" = 1 ]; then
   COLUMNS=150 timeout -k 10 300 "${matrix[@]}" --tp 1 > $W/run-tp1.log 2>&1; echo "tp1 exit $?"
   grep -v "it/s\]" $W/run-tp1.log | tail -n 30
   (cd $R && COLUMNS=150 python3 -m repaudit report . > $W/report-tp1.log 2>&1); keep tp1
+  step "speed TP=2 stock,tbik"
+  speed 2 stock,tbik tp2
+elif [ "${PHASE:-1}" = 4 ]; then
+  step "GPU 1: vLLM GPU tests; GPU 0: speed TP=1 stock (fixtures), tbik"
+  (REPAUDIT_VLLM_MODEL="$M" CUDA_VISIBLE_DEVICES=1 timeout 240 python3 -m pytest -q -p no:cacheprovider -o addopts="" -rs \
+     tests/test_vllm_engine.py tests/test_vllm_capture.py > $W/pytest.log 2>&1; echo "pytest exit $?" >> $W/pytest.log) &
+  CUDA_VISIBLE_DEVICES=0 speed 1 stock,tbik tp1 "--fixture $W/vllm_outputs.json"
+  wait; tail -n 4 $W/pytest.log
+elif [ "${PHASE:-1}" = 5 ]; then
   step "speed TP=2 stock,tbik"
   speed 2 stock,tbik tp2
 elif [ "${PHASE:-1}" = 3 ]; then

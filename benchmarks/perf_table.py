@@ -29,44 +29,56 @@ def _tok(x: float) -> str:
 
 def rows() -> list[list[str]]:
     out = []
-    vllm_plain = {(r["device"].split("x ", 1)[-1], r["tp"]): r for r in _load("vllm_speed.json") if r["kernels"] == "stock"}
     for r in _load("engine_speed.json"):
         what = _engine_what(r)
         if r.get("ratio") is not None:
             out.append([f"transformers engine / plain transformers, {what}", "≥ 0.9x",
-                        f"{r['ratio']:.2f}x ({_tok(r['repaudit_tok_s'])} / {_tok(r['baseline_tok_s'])} tok/s)",
+                        f"{r['ratio']:.3f}x ({_tok(r['repaudit_tok_s'])} / {_tok(r['baseline_tok_s'])} tok/s)",
                         r["device"], r["command"]])
-        v = vllm_plain.get((r["device"], r["tp"]))
-        if r["mode"] == "generate" and r["batch"] == 32 and r.get("workload", "").startswith("random") and v:
-            out.append([f"transformers engine, {what} / plain vLLM `LLM.generate` ({v['prompts']} prompts x "
-                        f"{v['new_tokens']} new, its own batching; another process)", "≥ 0.25x",
-                        f"{r['repaudit_tok_s'] / v['plain_tok_s']:.3f}x ({_tok(r['repaudit_tok_s'])} / "
-                        f"{_tok(v['plain_tok_s'])} tok/s)", r["device"], f"{r['command']}; {v['command']}"])
+        if r["mode"] == "generate" and r["batch"] == 32 and r.get("workload", "").startswith("random"):
+            for v, how in vllm_peers(r):
+                out.append([f"transformers engine, {what} / plain vLLM `LLM.generate` ({v['prompts']} prompts x "
+                            f"{v['new_tokens']} new, {how}; another process)", "≥ 0.25x",
+                            f"{r['repaudit_tok_s'] / v['plain_tok_s']:.3f}x ({_tok(r['repaudit_tok_s'])} / "
+                            f"{_tok(v['plain_tok_s'])} tok/s)", r["device"], f"{r['command']}; {v['command']}"])
     for r in _load("vllm_speed.json"):
-        out.append([f"vLLM cell / plain `LLM.generate`, {r['kernels']}, TP={r['tp']}, {r['prompts']} prompts x {r['new_tokens']} new",
-                    "≥ 0.9x", f"{r['ratio']:.2f}x ({_tok(r['repaudit_tok_s'])} / {_tok(r['plain_tok_s'])} tok/s)",
+        args = "".join(f", {k}={v}" for k, v in (r.get("vllm_args") or {}).items())
+        out.append([f"vLLM cell / plain `LLM.generate`, {r['kernels']}, TP={r['tp']}, {r['prompts']} prompts x "
+                    f"{r['new_tokens']} new{args}" + (f" ({r['note']})" if r.get("note") else ""),
+                    "≥ 0.9x", f"{r['ratio']:.3f}x ({_tok(r['repaudit_tok_s'])} / {_tok(r['plain_tok_s'])} tok/s)",
                     r["device"], r["command"]])
         if "plain_logprobs_tok_s" in r:
             out.append([f"vLLM cell / `LLM.generate` with the cell's logprobs (top-{r['topk']}), {r['kernels']}, TP={r['tp']}, "
                         f"{r['prompts']} prompts x {r['new_tokens']} new", "—",
-                        f"{r['repaudit_tok_s'] / r['plain_logprobs_tok_s']:.2f}x ({_tok(r['repaudit_tok_s'])} / "
+                        f"{r['repaudit_tok_s'] / r['plain_logprobs_tok_s']:.3f}x ({_tok(r['repaudit_tok_s'])} / "
                         f"{_tok(r['plain_logprobs_tok_s'])} tok/s)", r["device"], r["command"]])
         if "ratio_vs_stock" in r:
             out.append([f"vLLM {r['kernels']} cell / plain stock `LLM.generate`, TP={r['tp']}, {r['prompts']} prompts x "
                         f"{r['new_tokens']} new", "≥ 0.8x at TP=2" if r["kernels"] == "tbik" else "—",
-                        f"{r['ratio_vs_stock']:.2f}x ({_tok(r['repaudit_tok_s'])} / {_tok(r['stock_plain_tok_s'])} tok/s)",
+                        f"{r['ratio_vs_stock']:.3f}x ({_tok(r['repaudit_tok_s'])} / {_tok(r['stock_plain_tok_s'])} tok/s)",
                         r["device"], r["command"]])
         if "plain_ratio_vs_stock" in r:
             out.append([f"plain `LLM.generate` with {r['kernels']} / plain stock `LLM.generate`, TP={r['tp']}, "
                         f"{r['prompts']} prompts x {r['new_tokens']} new", "≥ 0.8x at TP=2" if r["kernels"] == "tbik" else "—",
-                        f"{r['plain_ratio_vs_stock']:.2f}x ({_tok(r['plain_tok_s'])} / {_tok(r['stock_plain_tok_s'])} tok/s)",
+                        f"{r['plain_ratio_vs_stock']:.3f}x ({_tok(r['plain_tok_s'])} / {_tok(r['stock_plain_tok_s'])} tok/s)",
                         r["device"], r["command"]])
     for r in _load("trace_overhead.json"):
         out.append([f"`--trace` overhead, {r['mode']}, {r['model']}, `{r['probes']}` suite, batch {r['batch']}",
-                    "≤ 2x (CPU), ≤ 1.5x (GPU)", f"{r['ratio']:.2f}x ({r['traced_s']:.2f} s / {r['untraced_s']:.2f} s)",
+                    "≤ 2x (CPU), ≤ 1.5x (GPU)", f"{r['ratio']:.3f}x ({r['traced_s']:.2f} s / {r['untraced_s']:.2f} s)",
                     r["device"], r["command"]])
     out += _kernel_rows()
     return out
+
+
+def vllm_peers(engine_row: dict) -> list[tuple[dict, str]]:
+    """Plain stock vLLM on the engine row's GPU and TP: the latest row with vLLM's own batching,
+    and the latest with max_num_seqs capped at the engine's batch size."""
+    rows = [v for v in _load("vllm_speed.json") if v["kernels"] == "stock" and v["tp"] == engine_row["tp"]
+            and v["device"].split("x ", 1)[-1] == engine_row["device"]]
+    own = [v for v in rows if not v.get("vllm_args")]
+    capped = [v for v in rows if (v.get("vllm_args") or {}) == {"max_num_seqs": engine_row["batch"]}]
+    return ([(own[-1], "its own batching")] if own else []) + \
+        ([(capped[-1], f"max_num_seqs={engine_row['batch']}")] if capped else [])
 
 
 def _kernel_rows() -> list[list[str]]:
@@ -75,10 +87,10 @@ def _kernel_rows() -> list[list[str]]:
     for device, s in (matmul or {}).get("summary", {}).items():
         for key, target, which in (("geomean_m_ge_128", "≥ 0.80x", "M ≥ 128"), ("geomean_m_le_32", "≥ 0.75x", "M ≤ 32")):
             out.append([f"tbik.tree_matmul / cuBLAS (torch.matmul), bf16, Qwen3-8B linear shapes, {which}, geometric mean "
-                        f"(median of {s['runs']} runs; error vs fp64 at most {s['relerr_ratio_max']:.2f}x cuBLAS's)", target,
+                        f"(median of {s['runs']} runs; error vs fp64 at most {s['relerr_ratio_max']:.3f}x cuBLAS's)", target,
                         f"{s[key]:.3f}x", device, s["command"]])
     for r in _load("allreduce.json"):
-        ratios = "; ".join(f"{a} {r[f'ratio_{a}']:.2f}x ({r[f'tree_{a}_us']:.1f} / {r['all_reduce_fp32_us']:.1f} us)"
+        ratios = "; ".join(f"{a} {r[f'ratio_{a}']:.3f}x ({r[f'tree_{a}_us']:.1f} / {r['all_reduce_fp32_us']:.1f} us)"
                            for a in ("gather", "halving") if f"ratio_{a}" in r)
         out.append([f"tbik.tree_all_reduce / all_reduce fp32 (bf16: {r['all_reduce_bf16_us']:.1f} us), P={r['P']}, "
                     f"{r['message']} {r['shape']}, {'CUDA graph replays' if r['timing'] == 'graph' else 'eager calls'}",

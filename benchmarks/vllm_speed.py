@@ -14,7 +14,9 @@ once per mode with --one and gathers the rows:
     python3 benchmarks/vllm_speed.py --model DIR --tp 1 --kernels stock,bi,tbik --json reports/perf/vllm_speed.json
 
 --fixture F also saves a few of the cell's real vLLM outputs in JSON with the rows repaudit made
-of them (tests/test_vllm_engine.py converts them again on CPU and compares bit for bit).
+of them (tests/test_vllm_engine.py converts them again on CPU and compares bit for bit), and
+beside F, vllm_capture.json: the same requests with vLLM's own logprobs and captured in its
+workers (tests/test_vllm_capture.py checks that both give the same rows).
 """
 
 from __future__ import annotations
@@ -67,30 +69,85 @@ def one(args) -> dict:
     seqs = [Sequence(f"p{i}", tuple(p), None, args.new) for i, p in enumerate(prompts)]
     plain_params = SamplingParams(temperature=0.0, max_tokens=args.new, detokenize=False)
     # What the cell asks vLLM for, without repaudit's conversion: vLLM's own cost of logprobs.
-    lp_params = vllm_engine.sampling_params(args.new, args.topk, None, False)
+    lp_params = vllm_engine.sampling_params(args.new, args.topk, (), False)
     requests = [{"prompt_token_ids": p} for p in prompts]
     # Warm-up of every path at full size: compilation, graph capture, allocator growth.
+    start = time.perf_counter()
+    say = lambda what: print(f"{time.perf_counter() - start:7.1f}s {what}", flush=True)  # noqa: E731
     llm.generate(requests, plain_params, use_tqdm=False)
+    say("warm-up: plain")
     llm.generate(requests, lp_params, use_tqdm=False)
+    say("warm-up: with logprobs")
     vllm_engine.generate(llm, seqs, args.topk, stop_ids=())
-    plain, with_lp, cell = [], [], []
+    say("warm-up: cell")
+    plain, with_lp, cell, lp_outs, lp_before = [], [], [], None, None
     for _ in range(args.runs):
         for params, runs in ((plain_params, plain), (lp_params, with_lp)):
             t0 = time.perf_counter()
             outs = llm.generate(requests, params, use_tqdm=False)
             runs.append((time.perf_counter() - t0, sum(len(o.outputs[0].token_ids) for o in outs)))
+            if params is lp_params:
+                lp_before, lp_outs = (lp_outs if with_lp[:-1] else None), outs
         t0 = time.perf_counter()
         rows, _ = vllm_engine.generate(llm, seqs, args.topk, stop_ids=())
         cell.append((time.perf_counter() - t0, sum(int((r.pos >= r.prompt_len).sum()) for r in rows)))
+        say(f"run: plain {plain[-1][0]:.2f}s, with logprobs {with_lp[-1][0]:.2f}s, cell {cell[-1][0]:.2f}s")
     tok_s = lambda runs: statistics.median(n / s for s, n in runs)  # noqa: E731
     row = {"device": _device_name(args.tp), "engine": "vllm", "kernels": args.kernels, "tp": args.tp, "prompts": args.prompts,
            "new_tokens": args.new, "topk": args.topk, "plain_tok_s": tok_s(plain), "repaudit_tok_s": tok_s(cell),
            "plain_logprobs_tok_s": tok_s(with_lp),
-           "plain_runs_s": [s for s, _ in plain], "repaudit_runs_s": [s for s, _ in cell]}
+           "plain_runs_s": [s for s, _ in plain], "repaudit_runs_s": [s for s, _ in cell],
+           # The cell's rows against the rows of vLLM's own logprobs for the same batch: tokens
+           # whose token id, logprob and top-k ids and logprobs are all the same bits.
+           "cell_rows_equal_vllm_logprobs": _same_rows(rows, lp_outs, seqs, args.topk)}
+    if lp_before is not None:  # the same share between two of vLLM's own runs: how far the batch itself moves the bits
+        row["vllm_logprobs_runs_equal"] = _same_rows([vllm_engine.rows_from_output(o, s.prompt_id, len(s.prompt), args.topk,
+                                                                                    completion=True)
+                                                      for o, s in zip(lp_before, seqs)], lp_outs, seqs, args.topk)
     row["ratio"] = row["repaudit_tok_s"] / row["plain_tok_s"]
+    if json.loads(args.vllm_args):
+        row["vllm_args"] = json.loads(args.vllm_args)
     if args.fixture:
         _fixture(llm, prompts, args)
+        _capture_fixture(llm, prompts, args)
     return row
+
+
+def _same_rows(rows, outs, seqs, topk: int) -> float:
+    from repaudit.engines import vllm_engine
+
+    same = total = 0
+    for r, o, s in zip(rows, outs, seqs):
+        v = vllm_engine.rows_from_output(o, s.prompt_id, len(s.prompt), topk, completion=True)
+        n = min(len(r.pos), len(v.pos))
+        eq = ((r.token_id[:n] == v.token_id[:n]) & (r.logprob[:n].view(np.uint32) == v.logprob[:n].view(np.uint32))
+              & (r.topk_ids[:n] == v.topk_ids[:n]).all(1)
+              & (r.topk_logprobs[:n].view(np.uint32) == v.topk_logprobs[:n].view(np.uint32)).all(1))
+        same += int(eq.sum()) if len(r.pos) == len(v.pos) else 0
+        total += max(len(r.pos), len(v.pos))
+    return same / total if total else 1.0
+
+
+def _capture_fixture(llm, prompts, args) -> None:
+    """The same requests on one LLM with vLLM's own logprobs and captured in its workers, raw
+    (tests/test_vllm_capture.py converts both on CPU and compares them bit for bit)."""
+    import vllm
+
+    from repaudit.engines import vllm_capture, vllm_engine
+
+    topk, new = 3, 6
+    reqs = [{"prompt_token_ids": p[:n]} for p, n in zip(prompts[:3], (9, 17, 33))]
+    own = llm.generate(reqs, vllm_engine.sampling_params(new, topk, (), False), use_tqdm=False)
+    assert all(llm.collective_rpc("repaudit_capture_begin", args=(vllm_engine.logprobs_k(topk),)))
+    outs = llm.generate(reqs, vllm_engine.sampling_params(new, topk, (), False, logprobs=False), use_tqdm=False)
+    packed = llm.collective_rpc("repaudit_capture_end")[0]
+    cap = vllm_capture.unpack(packed)
+    Path(args.fixture).with_name("vllm_capture.json").write_text(json.dumps({
+        "vllm": vllm.__version__, "kernels": args.kernels, "topk": topk,
+        "own": [vllm_engine.output_to_json(o) for o in own],
+        "captured_outputs": [vllm_engine.output_to_json(o) for o in outs], "request_ids": [o.request_id for o in outs],
+        "capture": {"req_ids": packed["req_ids"], "code": cap["code"].tolist(), "ids": cap["ids"].tolist(),
+                    "logprob_bits": cap["logprobs"].view(np.uint32).tolist(), "sampled": cap["sampled"].tolist()}}, indent=1))
 
 
 def _fixture(llm, prompts, args) -> None:
@@ -100,7 +157,7 @@ def _fixture(llm, prompts, args) -> None:
     topk, cases = 3, []
     for completion in (True, False):
         seqs = [Sequence(f"p{i}", tuple(p[:9]), None, 4) for i, p in enumerate(prompts[:2])]
-        params = [vllm_engine.sampling_params(4 if completion else 1, topk, None, not completion)] * len(seqs)
+        params = [vllm_engine.sampling_params(4 if completion else 1, topk, (), not completion)] * len(seqs)
         outs = llm.generate([{"prompt_token_ids": list(s.prompt)} for s in seqs], params, use_tqdm=False)
         for s, o in zip(seqs, outs):
             r = vllm_engine.rows_from_output(o, s.prompt_id, len(s.prompt), topk, completion=completion)
@@ -127,20 +184,31 @@ def main() -> None:
     ap.add_argument("--vllm-args", default="{}", help="JSON object of extra engine arguments")
     ap.add_argument("--json", help="append rows to this JSON file (a list)")
     ap.add_argument("--fixture")
+    ap.add_argument("--stall", type=float, default=480, help="seconds after which a mode's process prints its stack and exits")
     ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
+        import faulthandler
+
+        faulthandler.dump_traceback_later(args.stall, exit=True)  # a hung mode shows where it stopped
         print("ROW " + json.dumps(one(args)), flush=True)
         return
     rows = []
     for k in args.kernels.split(","):
         cmd = [sys.executable, __file__, "--one", "--model", args.model, "--tp", str(args.tp), "--kernels", k,
                "--prompts", str(args.prompts), "--new", str(args.new), "--topk", str(args.topk), "--runs", str(args.runs),
-               "--vllm-args", args.vllm_args] + (["--fixture", args.fixture] if args.fixture and k == "stock" else [])
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        found = [json.loads(line[4:]) for line in proc.stdout.splitlines() if line.startswith("ROW ")]
+               "--vllm-args", args.vllm_args, "--stall", str(args.stall)] + (["--fixture", args.fixture] if args.fixture and k == "stock" else [])
+        # The child's output streams through (vLLM's progress bars left out), so a log shows how far a
+        # mode got even when a time limit ends it.
+        found = []
+        with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+            for line in proc.stdout:
+                if line.startswith("ROW "):
+                    found.append(json.loads(line[4:]))
+                elif "it/s]" not in line:
+                    print(f"[{k}] {line}", end="", flush=True)
         if not found:
-            print(f"== {k} failed (exit {proc.returncode})\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}", flush=True)
+            print(f"== {k} failed (exit {proc.returncode})", flush=True)
             continue
         row = found[0]
         row["command"] = " ".join(["python3", "benchmarks/vllm_speed.py", *sys.argv[1:]])

@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 
-from repaudit.engines import vllm_engine, vllm_plugin
+from repaudit.engines import vllm_capture, vllm_engine, vllm_plugin
 from repaudit.engines.base import canonical_topk
 from repaudit.run.plan import Matrix, expand
 from repaudit.run.plan import expand_with
@@ -182,6 +182,9 @@ def test_real_vllm_generate_and_score_on_a_gpu():
                                                    batch_size=4, max_len=128, topk=3,
                                                    extra={"gpu_memory_utilization": 0.3}))  # shares its GPU
     seqs = [Sequence("a", (1, 2, 3, 4), None, 6), Sequence("b", (5, 6), None, 6)]
+    # every worker can capture (so generate below does, rather than falling back to vLLM's logprobs)
+    assert vllm_capture.installed(llm) and all(llm.collective_rpc("repaudit_capture_begin", args=(3,)))
+    assert vllm_capture.unpack(llm.collective_rpc("repaudit_capture_end")[0])["code"].shape == (0,)
     rows, timing = vllm_engine.generate(llm, seqs, 3, stop_ids=())
     assert [r.pos.tolist() for r in rows] == [list(range(4, 10)), list(range(2, 8))] and timing.decode_tokens == 12
     # greedy: every generated token is its row's top-1, and its logprob is the top-1 logprob
@@ -189,6 +192,12 @@ def test_real_vllm_generate_and_score_on_a_gpu():
         gen = r.pos >= r.prompt_len
         assert (r.token_id[gen] == r.top1[gen]).all()
         assert (r.logprob[gen].view(np.uint32) == r.topk_logprobs[gen, 0].view(np.uint32)).all()
+    # the capture inside vLLM's workers (the default) gives what vLLM's own logprobs give, bit for bit
+    own, _ = vllm_engine.generate(llm, seqs, 3, stop_ids=(), capture=False)
+    for a, b in zip(rows, own):
+        assert a.token_id.tolist() == b.token_id.tolist() and a.topk_ids.tolist() == b.topk_ids.tolist()
+        assert a.logprob.view(np.uint32).tolist() == b.logprob.view(np.uint32).tolist()
+        assert a.topk_logprobs.view(np.uint32).tolist() == b.topk_logprobs.view(np.uint32).tolist()
     again, _ = vllm_engine.score(llm, [Sequence(s.prompt_id, s.prompt, tuple(r.completion_tokens), 0)
                                        for s, r in zip(seqs, rows)], 3, stop_ids=())
     assert [a.token_id[a.pos >= a.prompt_len].tolist() for a in again] == [r.token_id.tolist() for r in rows]

@@ -15,9 +15,12 @@ through the environment, set before vLLM is imported:
          decoders only (check_tbik_model).
 
 Logprobs are vLLM's raw ones (`logprobs_mode="raw_logprobs"`: log-softmax of the model's
-logits before any sampling processor), taken as the float32 values vLLM computed: vLLM hands
-them over as Python floats made from float32, so np.float32() gives back the same bits.
-vLLM never shows the full logits row, so vLLM records carry no row digest (null).
+logits before any sampling processor), the float32 values vLLM's kernel computed. A generate
+cell takes them inside vLLM's workers (vllm_capture.py: the calls vLLM's sampler makes for
+them, without vLLM's per-token hand-over to the driver, which costs a generation about 30% of its
+speed); a score cell asks vLLM for prompt logprobs, which vLLM hands over as Python floats made
+from float32, so np.float32() gives back the same bits. vLLM never shows the full logits row,
+so vLLM records carry no row digest (null).
 
 A cell's batch size is how many prompts are handed to vLLM together (LLM.generate on one batch;
 max_num_seqs is the job's largest batch size): within a batch vLLM's scheduler is free, with
@@ -32,6 +35,8 @@ memory share. The settings repaudit changes, and why (docs/vllm.md lists them to
   so that a tie at the top resolves to the lowest token id, as the transformers engine's
   argmax does.
 - skip_tokenizer_init=True: records hold token ids; vLLM never detokenizes.
+- worker_extension_cls=vllm_capture.EXTENSION: the methods that turn the generate cells'
+  logprob capture on and off in each worker (off, it costs one flag test per sampling step).
 - max_num_seqs = the largest batch size of the job, max_model_len = the longest sequence:
   the batch is what the cell measures, and the KV cache is sized for the suite.
 - seed=0 and greedy sampling (temperature 0).
@@ -53,6 +58,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import InputError
+from . import vllm_capture
 from .base import Sequence, Timing, TokenRows, canonical_topk
 
 INSTALL_HINT = "pip install 'repaudit[vllm]'"
@@ -161,6 +167,7 @@ def engine_args(*, model_path: str, tp: int, dtype: str, batch_size: int, max_le
         model=model_path, tensor_parallel_size=tp, dtype=dtype, seed=0, max_num_seqs=batch_size,
         max_model_len=max_len, enable_prefix_caching=False, skip_tokenizer_init=True,
         logprobs_mode="raw_logprobs", max_logprobs=logprobs_k(topk), disable_log_stats=True,
+        worker_extension_cls=vllm_capture.EXTENSION,
     )
     if kernels == "tbik":
         args.update(TBIK_ENGINE_ARGS)
@@ -180,13 +187,13 @@ def load(args: dict[str, Any]):
     return LLM(**args)
 
 
-def sampling_params(max_tokens: int, topk: int, stop_ids: tuple[int, ...], prompt_logprobs: bool):
+def sampling_params(max_tokens: int, topk: int, stop_ids: tuple[int, ...], prompt_logprobs: bool, logprobs: bool = True):
     from vllm import SamplingParams
 
     # Flat logprobs: vLLM keeps a request's logprobs in a few flat lists instead of a dict per position, which
     # costs vLLM and this conversion far less than (1 + k) Python objects per token.
     k = logprobs_k(topk)
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=k, prompt_logprobs=k if prompt_logprobs else None,
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=k if logprobs else None, prompt_logprobs=k if prompt_logprobs else None,
                           detokenize=False, stop_token_ids=list(stop_ids) or None, flat_logprobs=True)
 
 
@@ -215,12 +222,27 @@ def score(llm, seqs: list[Sequence], topk: int, stop_ids: tuple[int, ...]) -> tu
     return rows, Timing(prefill_s=seconds, prefill_tokens=sum(len(t) for t in tokens))
 
 
-def generate(llm, seqs: list[Sequence], topk: int, stop_ids: tuple[int, ...]) -> tuple[list[TokenRows], Timing]:
+def generate(llm, seqs: list[Sequence], topk: int, stop_ids: tuple[int, ...],
+             capture: bool = True) -> tuple[list[TokenRows], Timing]:
     """Greedy decoding; records the generated tokens (no prompt logprobs: those are a score cell's,
-    and asking vLLM for them would cost more than the decoding)."""
-    outs, seconds = _run(llm, [list(s.prompt) for s in seqs], [sampling_params(s.max_new_tokens, topk, stop_ids, False) for s in seqs])
-    rows = [rows_from_output(o, s.prompt_id, len(s.prompt), topk, completion=True) for o, s in zip(outs, seqs)]
-    # vLLM interleaves prefill and decode; its wall time is charged to the generated tokens.
+    and asking vLLM for them would cost more than the decoding). With `capture` (and where the
+    workers can: vllm_capture.CaptureWorker.repaudit_capture_begin), the logprobs are taken inside
+    vLLM's workers and vLLM is asked for none; otherwise vLLM returns them with its outputs."""
+    k = logprobs_k(topk)
+    t0 = time.perf_counter()
+    captured = capture and vllm_capture.installed(llm) and all(llm.collective_rpc("repaudit_capture_begin", args=(k,)))
+    made = {n: sampling_params(n, topk, stop_ids, False, logprobs=not captured) for n in {s.max_new_tokens for s in seqs}}
+    params = [made[s.max_new_tokens] for s in seqs]
+    # begin() starts afresh, so a failed call leaves nothing behind for the next one.
+    outs, _ = _run(llm, [list(s.prompt) for s in seqs], params)
+    got = llm.collective_rpc("repaudit_capture_end")[0] if captured else None
+    seconds = time.perf_counter() - t0
+    if captured:
+        rows = vllm_capture.rows_from_capture(outs, got, [s.prompt_id for s in seqs], [len(s.prompt) for s in seqs], topk)
+    else:
+        rows = [rows_from_output(o, s.prompt_id, len(s.prompt), topk, completion=True) for o, s in zip(outs, seqs)]
+    # vLLM interleaves prefill and decode; its wall time (and the capture's hand-over) is charged
+    # to the generated tokens.
     return rows, Timing(decode_s=seconds, decode_tokens=sum(len(o.outputs[0].token_ids) for o in outs))
 
 

@@ -135,10 +135,16 @@ class Tracer:
     def replay(self, taken: list[tuple[_Calls, torch.Tensor, torch.Tensor, torch.Tensor | None]]) -> None:
         """Record a replayed graph's calls (take_since's answer at its capture) for the current
         forward: copies, since the next replay rewrites them."""
+        if not taken:
+            return
         key = len(self._keys) - 1
-        for calls, digests, samples, experts in taken:
-            calls.digests.append(digests.clone())
-            calls.samples.append(samples.clone())
+        # Two copies for the whole step, not two per module: a step of a 28-layer model would
+        # otherwise launch some 900 small copies after a replay that is itself one launch.
+        digests = torch.cat([d for _, d, _, _ in taken]).split([len(d) for _, d, _, _ in taken])
+        samples = torch.cat([s for _, _, s, _ in taken]).split([len(s) for _, _, s, _ in taken])
+        for (calls, _, _, experts), d, s in zip(taken, digests, samples):
+            calls.digests.append(d)
+            calls.samples.append(s)
             calls.keys.append(key)
             if experts is not None:
                 calls.experts.append(experts.clone())
