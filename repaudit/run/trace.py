@@ -259,24 +259,25 @@ class Tracer:
         # Rows stay as they were recorded, module by module in execution order (each module's
         # rows in the order of its calls): a trace holds tokens x modules rows, tens of millions
         # for a suite of long prompts, and no reader needs another order (locate joins on keys).
-        tokens = [np.concatenate([token_of_key[k] for k in c.keys]) for c in calls]
-        counts = [len(t) for t in tokens]
-        kept = [_first_calls(t, disjoint and len(set(c.keys)) == len(c.keys)) for t, c in zip(tokens, calls)]
-        sel = None if all(k is None for k in kept) else np.concatenate(
-            [np.arange(n) + start if k is None else k + start for k, n, start in zip(kept, counts, np.cumsum([0, *counts]))])
-        token = np.concatenate(tokens)
+        # The key columns are each forward's, laid end to end: no gather over the whole trace.
+        counts = [sum(len(token_of_key[k]) for k in c.keys) for c in calls]
+        row_code = np.concatenate([code[token_of_key[k]] for c in calls for k in c.keys])
+        row_pos = np.concatenate([pos[token_of_key[k]] for c in calls for k in c.keys])
         module = np.repeat(np.arange(len(calls), dtype=np.int32), counts)
+        order = np.repeat(np.array([c.info.order for c in calls], dtype=np.int32), counts)
+        sel = _kept_rows(calls, token_of_key, counts, disjoint)
         # One copy off the device per column; a sample's uint32 bits are made on the device.
         digest = torch.cat([d for c in calls for d in c.digests]).cpu().numpy().view(np.uint64)
         sample = torch.cat([x for c in calls for x in c.samples]).to(torch.int32).cpu().numpy().view(np.uint32)
         experts = [torch.cat(c.experts).cpu().numpy() if c.info.routing else None for c in calls]
         if sel is not None:
-            token, module, digest, sample = token[sel], module[sel], digest[sel], sample[sel]
+            row_code, row_pos, module, order = row_code[sel], row_pos[sel], module[sel], order[sel]
+            digest, sample = digest[sel], sample[sel]
         table = pa.Table.from_arrays([
-            pa.DictionaryArray.from_arrays(pa.array(code[token]), pa.array(prompts, pa.string())),
-            pa.array(pos[token]),
+            pa.DictionaryArray.from_arrays(pa.array(row_code), pa.array(prompts, pa.string())),
+            pa.array(row_pos),
             pa.DictionaryArray.from_arrays(pa.array(module), pa.array(names, pa.string())),
-            pa.array(np.array([c.info.order for c in calls], dtype=np.int32)[module]),
+            pa.array(order),
             pa.array(digest),
             pa.FixedSizeListArray.from_arrays(pa.array(sample.reshape(-1)), SAMPLES),
             _experts_column(counts, experts, sel),
@@ -361,11 +362,22 @@ def _experts_column(row_counts: list[int], ids: list[np.ndarray | None], sel: np
                                     mask=pa.array(width < 0))
 
 
-def _first_calls(token: np.ndarray, distinct: bool) -> np.ndarray | None:
-    """Which of a module's rows to keep: a module called twice at one token (a shared module)
-    keeps its first call. None: every row (`distinct`: no token can be there twice)."""
-    if distinct:
+def _kept_rows(calls: list[_Calls], token_of_key: list[np.ndarray], counts: list[int], disjoint: bool) -> np.ndarray | None:
+    """The trace's rows to keep, None for all of them: only a token that is in two forwards, or
+    a module called twice in one forward, can make a module name a token twice."""
+    if disjoint and all(len(set(c.keys)) == len(c.keys) for c in calls):
         return None
+    kept = [None if disjoint and len(set(c.keys)) == len(c.keys) else
+            _first_calls(np.concatenate([token_of_key[k] for k in c.keys])) for c in calls]
+    if all(k is None for k in kept):
+        return None
+    return np.concatenate([np.arange(n) + start if k is None else k + start
+                           for k, n, start in zip(kept, counts, np.cumsum([0, *counts]))])
+
+
+def _first_calls(token: np.ndarray) -> np.ndarray | None:
+    """Which of a module's rows to keep: a module called twice at one token (a shared module)
+    keeps its first call. None: every row."""
     first = np.sort(np.unique(token, return_index=True)[1])
     return None if len(first) == len(token) else first
 
