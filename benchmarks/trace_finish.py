@@ -22,7 +22,6 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "kernels")]
 
 import numpy as np  # noqa: E402
-import torch  # noqa: E402
 
 from repaudit import builtin  # noqa: E402
 from repaudit.engines import hf  # noqa: E402
