@@ -72,6 +72,60 @@ def test_stock_static_cache_moves_bits_that_tbik_keeps(tiny):
     assert not all(_bits_equal(d, s) for d, s in zip(dynamic, static))
 
 
+def test_stock_static_decode_reads_repeated_keys_kept_with_the_cache_bit_for_bit(monkeypatch):
+    """Stock SDPA over a static cache gets each layer's keys and values repeated to the query
+    heads from a copy kept with the cache (hf_decode.grouped_key_mirrors) instead of a fresh
+    repeat_kv per step: the records are those of transformers' own repeat_kv, bit for bit."""
+    from transformers.integrations import sdpa_attention
+
+    tiny = hf.load(str(builtin.ensure("builtin:tiny-qwen3")), dtype="float32", device="cpu", tp=1, stop_ids=(), pad_id=0)
+    assert tiny.model.config.num_attention_heads > tiny.model.config.num_key_value_heads  # GQA: there is a copy to keep
+    batch = _batch()
+    mirrored = _generate(tiny, "static", batch, "stock")
+    repeat = sdpa_attention.repeat_kv
+    hits = []
+
+    def counting(x, n_rep):
+        out = repeat(x, n_rep)
+        hits.append(any(out is m for _, m, _ in hf_decode._MIRRORS.values()))
+        return out
+
+    monkeypatch.setattr(sdpa_attention, "repeat_kv", counting)
+    again = _generate(tiny, "static", batch, "stock")
+    assert hits and all(hits)  # every repeat of a cache tensor was served by its copy
+    monkeypatch.setattr(hf_decode, "grouped_key_mirrors", lambda cache, groups: None)
+    plain = _generate(tiny, "static", batch, "stock")
+    for a, b, c in zip(mirrored, again, plain):
+        assert _bits_equal(a, c) and _bits_equal(b, c), f"{c.prompt_id}: the kept copy moved bits"
+
+
+def test_the_kept_copies_go_with_their_batch_without_waiting_for_the_garbage_collector():
+    """On a GPU they are the groups' multiple of the KV cache: a reference cycle through the
+    cache would keep them until the next collection."""
+    import gc
+
+    tiny = hf.load(str(builtin.ensure("builtin:tiny-qwen3")), dtype="float32", device="cpu", tp=1, stop_ids=(), pad_id=0)
+    tiny.decode = "static"
+    gc.collect()
+    gc.disable()
+    try:
+        seen = []
+        update = hf_decode.grouped_key_mirrors
+
+        def watching(cache, groups):
+            update(cache, groups)
+            seen.append(len(cache.layers))
+
+        hf_decode.grouped_key_mirrors = watching
+        try:
+            hf.generate(tiny, _batch(), topk=0)
+        finally:
+            hf_decode.grouped_key_mirrors = update
+        assert seen and not hf_decode._MIRRORS
+    finally:
+        gc.enable()
+
+
 def test_load_picks_the_dynamic_cache_on_cpu(tiny):
     fresh = hf.load(str(tiny.model.name_or_path), dtype="float32", device="cpu", tp=1, stop_ids=(), pad_id=0)
     assert fresh.decode == "dynamic"
