@@ -49,34 +49,43 @@ def main() -> None:
     m = hf.load(str(path), dtype=dtype, device=args.device, tp=1, stop_ids=stop_ids(path, tok), pad_id=tok.pad_token_id)
     seqs = [Sequence(p.id, tuple(p.tokens), None, p.max_new_tokens) for p in prompts]
 
-    def cell(mode: str, traced: bool) -> float:
+    def sync() -> None:
+        if args.device == "cuda":
+            torch.cuda.synchronize()
+
+    def cell(mode: str, traced: bool) -> tuple[float, float]:
+        """Seconds of the whole cell, and of the trace's assembly at its end (Tracer.finish)."""
         m.tracer = Tracer(m.model, 1) if traced else None
         t0 = time.perf_counter()
         run = hf.generate if mode == "generate" else hf.score
         batch_seqs = seqs if mode == "generate" else [Sequence(s.prompt_id, s.prompt, tuple(s.prompt[:8]), 0) for s in seqs]
         for i in range(0, len(batch_seqs), args.batch_size):
             run(m, batch_seqs[i:i + args.batch_size], 5)
+        finish_s = 0.0
         if traced:
             m.tracer.detach()
+            sync()
+            t1 = time.perf_counter()
             m.tracer.finish()
+            finish_s = time.perf_counter() - t1
             m.tracer = None
-        if args.device == "cuda":
-            torch.cuda.synchronize()
-        return time.perf_counter() - t0
+        sync()
+        return time.perf_counter() - t0, finish_s
 
-    print(f"| mode | untraced s | traced s | traced / untraced |  ({args.model}, {args.device}, "
-          f"{args.probes}, batch {args.batch_size}, median of {args.repeats})")
-    print("|---|---|---|---|")
+    print(f"| mode | untraced s | traced s | traced / untraced | of which Tracer.finish s |  ({args.model}, "
+          f"{args.device}, {args.probes}, batch {args.batch_size}, median of {args.repeats})")
+    print("|---|---|---|---|---|")
     device = torch.cuda.get_device_name() if args.device == "cuda" else f"CPU {platform.machine()}, 1 thread"
     rows = []
     for mode in ("score", "generate"):
         cell(mode, False)  # warm-up (and, traced, the digest kernel's one compile)
         cell(mode, True)
-        plain = statistics.median(cell(mode, False) for _ in range(args.repeats))
-        traced = statistics.median(cell(mode, True) for _ in range(args.repeats))
-        print(f"| {mode} | {plain:.3f} | {traced:.3f} | {traced / plain:.2f} |")
+        plain = statistics.median(cell(mode, False)[0] for _ in range(args.repeats))
+        runs = [cell(mode, True) for _ in range(args.repeats)]
+        traced, finish = statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)
+        print(f"| {mode} | {plain:.3f} | {traced:.3f} | {traced / plain:.2f} | {finish:.3f} |")
         rows.append({"device": device, "model": args.model, "probes": args.probes, "mode": mode, "batch": args.batch_size,
-                     "untraced_s": plain, "traced_s": traced, "ratio": traced / plain,
+                     "untraced_s": plain, "traced_s": traced, "ratio": traced / plain, "traced_finish_s": finish,
                      "command": " ".join(["python3 benchmarks/trace_bench.py", *sys.argv[1:]])})
         if args.json:  # after every mode: a run cut short keeps what it measured
             _write(Path(args.json), device, args, rows)
