@@ -93,17 +93,16 @@ def one(args) -> dict:
         cell.append((time.perf_counter() - t0, sum(int((r.pos >= r.prompt_len).sum()) for r in rows)))
         say(f"run: plain {plain[-1][0]:.2f}s, with logprobs {with_lp[-1][0]:.2f}s, cell {cell[-1][0]:.2f}s")
     tok_s = lambda runs: statistics.median(n / s for s, n in runs)  # noqa: E731
+    lp_rows = _rows(lp_outs, seqs, args.topk)
     row = {"device": _device_name(args.tp), "engine": "vllm", "kernels": args.kernels, "tp": args.tp, "prompts": args.prompts,
            "new_tokens": args.new, "topk": args.topk, "plain_tok_s": tok_s(plain), "repaudit_tok_s": tok_s(cell),
            "plain_logprobs_tok_s": tok_s(with_lp),
            "plain_runs_s": [s for s, _ in plain], "repaudit_runs_s": [s for s, _ in cell],
            # The cell's rows against the rows of vLLM's own logprobs for the same batch: tokens
            # whose token id, logprob and top-k ids and logprobs are all the same bits.
-           "cell_rows_equal_vllm_logprobs": _same_rows(rows, lp_outs, seqs, args.topk)}
+           "cell_rows_equal_vllm_logprobs": _same_rows(rows, lp_rows)}
     if lp_before is not None:  # the same share between two of vLLM's own runs: how far the batch itself moves the bits
-        row["vllm_logprobs_runs_equal"] = _same_rows([vllm_engine.rows_from_output(o, s.prompt_id, len(s.prompt), args.topk,
-                                                                                    completion=True)
-                                                      for o, s in zip(lp_before, seqs)], lp_outs, seqs, args.topk)
+        row["vllm_logprobs_runs_equal"] = _same_rows(_rows(lp_before, seqs, args.topk), lp_rows)
     row["ratio"] = row["repaudit_tok_s"] / row["plain_tok_s"]
     if json.loads(args.vllm_args):
         row["vllm_args"] = json.loads(args.vllm_args)
@@ -113,12 +112,17 @@ def one(args) -> dict:
     return row
 
 
-def _same_rows(rows, outs, seqs, topk: int) -> float:
+def _rows(outs, seqs, topk: int) -> list:
+    """The rows of vLLM's own logprobs, as a cell would have made them before the capture."""
     from repaudit.engines import vllm_engine
 
+    return [vllm_engine.rows_from_output(o, s.prompt_id, len(s.prompt), topk, completion=True) for o, s in zip(outs, seqs)]
+
+
+def _same_rows(rows, others) -> float:
+    """Share of generated tokens whose id, logprob and top-k are the same bits in both."""
     same = total = 0
-    for r, o, s in zip(rows, outs, seqs):
-        v = vllm_engine.rows_from_output(o, s.prompt_id, len(s.prompt), topk, completion=True)
+    for r, v in zip(rows, others):
         n = min(len(r.pos), len(v.pos))
         eq = ((r.token_id[:n] == v.token_id[:n]) & (r.logprob[:n].view(np.uint32) == v.logprob[:n].view(np.uint32))
               & (r.topk_ids[:n] == v.topk_ids[:n]).all(1)

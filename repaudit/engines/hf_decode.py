@@ -120,10 +120,11 @@ def _updating_mirrors(ref: Any, update: Callable, groups: int, repeat: Callable)
             if not _fits(keys, values, groups):
                 off.append(True)
                 return keys, values
-            for t in (keys, values):
+            for t in (keys, values):  # made from the whole layer, this update's slots included
                 ident = id(t)
                 watch = weakref.ref(t, lambda _, ident=ident: _MIRRORS.pop(ident, None))
                 _MIRRORS[ident] = (watch, repeat(t, groups), groups)
+            return keys, values
         n = key_states.shape[-2]
         # The slots update() just wrote: it advanced the layer's length by n (on the device).
         slots = torch.arange(n, device=keys.device) + (layer.cumulative_length - n)

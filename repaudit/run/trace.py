@@ -261,8 +261,9 @@ class Tracer:
         # for a suite of long prompts, and no reader needs another order (locate joins on keys).
         # The key columns are each forward's, laid end to end: no gather over the whole trace.
         counts = [sum(len(token_of_key[k]) for k in c.keys) for c in calls]
-        row_code = np.concatenate([code[token_of_key[k]] for c in calls for k in c.keys])
-        row_pos = np.concatenate([pos[token_of_key[k]] for c in calls for k in c.keys])
+        key_code, key_pos = [code[t] for t in token_of_key], [pos[t] for t in token_of_key]
+        row_code = np.concatenate([key_code[k] for c in calls for k in c.keys])
+        row_pos = np.concatenate([key_pos[k] for c in calls for k in c.keys])
         module = np.repeat(np.arange(len(calls), dtype=np.int32), counts)
         order = np.repeat(np.array([c.info.order for c in calls], dtype=np.int32), counts)
         sel = _kept_rows(calls, token_of_key, counts, disjoint)
@@ -365,10 +366,10 @@ def _experts_column(row_counts: list[int], ids: list[np.ndarray | None], sel: np
 def _kept_rows(calls: list[_Calls], token_of_key: list[np.ndarray], counts: list[int], disjoint: bool) -> np.ndarray | None:
     """The trace's rows to keep, None for all of them: only a token that is in two forwards, or
     a module called twice in one forward, can make a module name a token twice."""
-    if disjoint and all(len(set(c.keys)) == len(c.keys) for c in calls):
+    distinct = [disjoint and len(set(c.keys)) == len(c.keys) for c in calls]
+    if all(distinct):
         return None
-    kept = [None if disjoint and len(set(c.keys)) == len(c.keys) else
-            _first_calls(np.concatenate([token_of_key[k] for k in c.keys])) for c in calls]
+    kept = [None if d else _first_calls(np.concatenate([token_of_key[k] for k in c.keys])) for d, c in zip(distinct, calls)]
     if all(k is None for k in kept):
         return None
     return np.concatenate([np.arange(n) + start if k is None else k + start
