@@ -29,6 +29,7 @@ def _tok(x: float) -> str:
 
 def rows() -> list[list[str]]:
     out = []
+    vllm_rows = _load("vllm_speed.json")
     for r in _load("engine_speed.json"):
         what = _engine_what(r)
         if r.get("ratio") is not None:
@@ -36,12 +37,12 @@ def rows() -> list[list[str]]:
                         f"{r['ratio']:.3f}x ({_tok(r['repaudit_tok_s'])} / {_tok(r['baseline_tok_s'])} tok/s)",
                         r["device"], r["command"]])
         if r["mode"] == "generate" and r["batch"] == 32 and r.get("workload", "").startswith("random"):
-            for v, how in vllm_peers(r):
+            for v, how in vllm_peers(r, vllm_rows):
                 out.append([f"transformers engine, {what} / plain vLLM `LLM.generate` ({v['prompts']} prompts x "
                             f"{v['new_tokens']} new, {how}; another process)", "≥ 0.25x",
                             f"{r['repaudit_tok_s'] / v['plain_tok_s']:.3f}x ({_tok(r['repaudit_tok_s'])} / "
                             f"{_tok(v['plain_tok_s'])} tok/s)", r["device"], f"{r['command']}; {v['command']}"])
-    for r in _load("vllm_speed.json"):
+    for r in vllm_rows:
         args = "".join(f", {k}={v}" for k, v in (r.get("vllm_args") or {}).items())
         out.append([f"vLLM cell / plain `LLM.generate`, {r['kernels']}, TP={r['tp']}, {r['prompts']} prompts x "
                     f"{r['new_tokens']} new{args}" + (f" ({r['note']})" if r.get("note") else ""),
@@ -70,10 +71,10 @@ def rows() -> list[list[str]]:
     return out
 
 
-def vllm_peers(engine_row: dict) -> list[tuple[dict, str]]:
+def vllm_peers(engine_row: dict, vllm_rows: list[dict]) -> list[tuple[dict, str]]:
     """Plain stock vLLM on the engine row's GPU and TP: the latest row with vLLM's own batching,
     and the latest with max_num_seqs capped at the engine's batch size."""
-    rows = [v for v in _load("vllm_speed.json") if v["kernels"] == "stock" and v["tp"] == engine_row["tp"]
+    rows = [v for v in vllm_rows if v["kernels"] == "stock" and v["tp"] == engine_row["tp"]
             and v["device"].split("x ", 1)[-1] == engine_row["device"]]
     own = [v for v in rows if not v.get("vllm_args")]
     capped = [v for v in rows if (v.get("vllm_args") or {}) == {"max_num_seqs": engine_row["batch"]}]
