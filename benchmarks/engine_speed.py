@@ -140,9 +140,12 @@ def main() -> None:
     batches = [int(b) for b in args.batch.split(",")]
     device = torch.cuda.get_device_name() if on_gpu else "CPU (a check of the script, not a measurement)"
     rows: list[dict] = []
-    others = []  # the file's rows of other machines and TP sizes
-    if args.json and Path(args.json).exists():
-        others = [r for r in json.loads(Path(args.json).read_text()) if (r.get("device"), r.get("tp")) != (device, args.tp)]
+    workload = f"random:{args.random}x64-512" if args.random else "suite:default"
+    old_rows = json.loads(Path(args.json).read_text()) if args.json and Path(args.json).exists() else []
+
+    def cell(r):
+        return r.get("device"), r.get("tp"), r.get("kernels"), r.get("mode"), r.get("batch"), r.get("workload", "suite:default")
+
     for kernels in args.kernels.split(","):
         with kernel_mode(hfm, kernels):
             for mode in args.mode.split(","):
@@ -177,7 +180,7 @@ def main() -> None:
                             m_runs.append(m_run)
                     tok_s = lambda runs: statistics.median(n / s for s, n in runs)  # noqa: E731
                     row = {"device": device, "engine": "hf", "kernels": kernels, "mode": mode, "tp": args.tp, "batch": bs,
-                           "workload": f"random:{args.random}x64-512" if args.random else "suite:default",
+                           "workload": workload,
                            "new_tokens": args.new if mode == "generate" else None,
                            "repaudit_tok_s": tok_s(m_runs), "baseline_tok_s": tok_s(b_runs) if base else None,
                            "decode": hfm.decode if mode == "generate" else None}
@@ -192,7 +195,8 @@ def main() -> None:
                         print(json.dumps(row), flush=True)
                         if args.json:  # after every row, whole or not at all: a run cut short keeps what it measured
                             Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-                            write_json_atomic(args.json, others + rows)
+                            done = {cell(r) for r in rows}  # a row replaces only its own cell's old row
+                            write_json_atomic(args.json, [r for r in old_rows if cell(r) not in done] + rows)
                     if args.profile and bs == batches[len(batches) // 2]:  # every rank: the forwards are collectives
                         _profile(args.profile if rank == 0 else None, f"{mode}-{kernels}-tp{args.tp}-bs{bs}", base, mine)
     if dist.is_initialized():

@@ -192,7 +192,8 @@ def accuracy() -> str:
 
 def strategy(x, w, k, num_chunks=tbik.NUM_CHUNKS) -> int:
     """The SPLIT tree_matmul picks for x @ w.t() (execution strategy, never the bits)."""
-    plan = tm._plan(x.dtype, x.device, x.shape[0], w.shape[0], k, num_chunks, k // num_chunks, False, None)
+    plan = tm._plan(x.dtype, x.device, x.shape[0], w.shape[0], k, num_chunks, k // num_chunks, False, None,
+                    tm._tma_fits(x, w.t()))
     return plan.meta["SPLIT"]
 
 
@@ -295,21 +296,23 @@ def set_config(cfg):
 
 def sweep() -> str:
     """Tile configurations (eager timings) and execution strategies (CUDA-graph timings)."""
-    def cfg(bm, bn, bk, warps, stages, reg):
-        return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages, REG_LEVELS=reg)
+    def cfg(bm, bn, bk, warps, stages, reg, tma):
+        return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages, REG_LEVELS=reg, TMA=tma)
 
     variants = {
-        "64x128x64 w8 s4 R2 (default)": cfg(64, 128, 64, 8, 4, 2),
-        "64x128x64 w8 s5 R2": cfg(64, 128, 64, 8, 5, 2),
-        "64x128x128 w8 s3 R2": cfg(64, 128, 128, 8, 3, 2),
-        "128x128x64 w8 s4 R1": cfg(128, 128, 64, 8, 4, 1),
+        "64x128x128 w8 s4 R2 TMA (default)": cfg(64, 128, 128, 8, 4, 2, True),
+        "64x128x128 w8 s4 R2 pointer loads": cfg(64, 128, 128, 8, 4, 2, False),
+        "64x128x128 w8 s3 R2 TMA": cfg(64, 128, 128, 8, 3, 2, True),
+        "64x128x128 w8 s3 R2 pointer loads (before TMA)": cfg(64, 128, 128, 8, 3, 2, False),
+        "64x128x64 w8 s5 R2 TMA": cfg(64, 128, 64, 8, 5, 2, True),
+        "128x128x64 w8 s4 R1 TMA (spills)": cfg(128, 128, 64, 8, 4, 1, True),
     }
     shapes = [SHAPES[0], SHAPES[2], SHAPES[3]]
     ms = [1, 32, 128, 2048, 8192]
     default = dict(tm._CONFIGS[torch.bfloat16])
     rows, kernel_rows = [], []
     seen = set(compiled_kernels())
-    refs = {}
+    refs, bits, moved = {}, {}, []
     cells = [(sname, m) for sname, _, _ in shapes for m in ms]
     for name, variant in variants.items():
         set_config(variant)
@@ -322,6 +325,10 @@ def sweep() -> str:
                     refs[(sname, m)] = ms_of(lambda: torch.matmul(x, w.t()))
                 try:
                     ratios[(sname, m)] = refs[(sname, m)] / ms_of(lambda: tbik.tree_matmul(x, w.t()))
+                    out = tbik.tree_matmul(x, w.t(), out_dtype=torch.float32)
+                    first = bits.setdefault((sname, m), out)
+                    if not same_bits(out, first):  # every configuration must give the default's bits
+                        moved.append(f"{name} {sname} M={m}")
                 except Exception as err:  # a configuration that does not compile: say so, go on
                     print(f"{name} {sname} M={m}: {type(err).__name__}: {str(err)[:200]}", file=sys.stderr)
         big = [r for (_, m), r in ratios.items() if m >= 128]
@@ -347,7 +354,9 @@ def sweep() -> str:
             split_rows.append((sname, m, f"{ref * 1e3:.1f}", *(f"{t * 1e3:.1f}" for t in times), best,
                                strategy(x, w, k)))
     head = ["config (bf16), eager", "geomean M>=128", "geomean M<=32", *(f"{s} M={m}" for s, m in cells)]
-    return (table(head, rows) + "\n\n"
+    verdict = ("every configuration gave the first one's fp32 bits in every cell" if not moved
+               else "BITS DIFFER from the first configuration: " + "; ".join(moved))
+    return (table(head, rows) + "\n\n" + verdict + "\n\n"
             + table(["config", "registers", "spills", "shared bytes"], kernel_rows) + "\n\n"
             + table(["shape", "M", "graph: cuBLAS us", "SPLIT=1 us", "2 us", "4 us", "8 us", "best", "heuristic"],
                     split_rows))

@@ -121,6 +121,27 @@ def test_accuracy_matches_cublas():
     assert rel_err(tbik.tree_matmul(x, w.t()), ref) < 1e-6  # IEEE fp32, not tf32 (~1e-4)
 
 
+def test_tma_loads_give_the_pointer_loads_bits():
+    # TMA is only a way to load: K-contiguous operands go through tensor descriptors, others
+    # through pointers, and both must give the same bits (TP shards, every SPLIT, ragged M).
+    from tbik.tl import matmul as tm
+
+    x, w = operands(300, HIDDEN, MLP, seed=9)
+    x_cols = torch.zeros(300, 2 * HIDDEN, dtype=x.dtype, device=x.device)[:, ::2].copy_(x)  # K stride 2: pointer loads
+    for m in (1, 8, 32, 100, 300):
+        plan = tm._plan(x.dtype, x.device, m, MLP, HIDDEN, 8, HIDDEN // 8, False, None, tm._tma_fits(x, w.t()))
+        assert plan.meta["TMA"] and not tm._tma_fits(x_cols, w.t())
+        for split in (1, 2, 8):
+            assert_bits_equal(tbik.tree_matmul(x[:m], w.t(), out_dtype=torch.float32, _split=split),
+                              tbik.tree_matmul(x_cols[:m], w.t(), out_dtype=torch.float32, _split=split))
+    for tp in (2, 4):
+        shard = HIDDEN // tp
+        for r in range(tp):
+            xs, ws = x[:, r * shard:(r + 1) * shard], w[:, r * shard:(r + 1) * shard]
+            assert_bits_equal(tbik.matmul_partial(xs.contiguous(), ws.t(), tp_size=tp),
+                              tbik.matmul_partial(xs.t().contiguous().t(), ws.t(), tp_size=tp))
+
+
 def test_direct_launch_gives_the_same_bits():
     # The first call goes through Triton's launch path (and compiles), later ones through the
     # cached compiled handle; both must run the same binary.

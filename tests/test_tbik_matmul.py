@@ -107,6 +107,24 @@ def test_strides_do_not_change_bits():
     assert_bits_equal(tbik.tree_matmul(x.t().contiguous().t(), w.t()), ref)  # column-major a
 
 
+@pytest.mark.parametrize("m", [1, 5, 70])
+def test_tma_loads_give_the_pointer_loads_bits(m):
+    # K-contiguous operands load through tensor descriptors (rows past M come in as zeros, not
+    # as wrapped copies); the bits must be those of the pointer loads, for every SPLIT.
+    from tbik.tl import matmul as tm
+
+    x, w = linear_operands(m, 1024, 192, torch.bfloat16, seed=6)
+    wide = torch.zeros(m, 2048, dtype=x.dtype)
+    wide[:, ::2] = x
+    x_cols = wide[:, ::2]  # K stride 2: pointer loads
+    assert tm._tma_fits(x, w.t()) and not tm._tma_fits(x_cols, w.t()) and not tm._tma_fits(x, w.t().contiguous())
+    assert tm._plan(x.dtype, x.device, m, 192, 1024, 8, 128, False, 1, True).meta["TMA"]
+    for split in (1, 2, 8):
+        got = tbik.tree_matmul(x, w.t(), out_dtype=torch.float32, _split=split)
+        assert_bits_equal(got, tbik.tree_matmul(x_cols, w.t(), out_dtype=torch.float32, _split=split))
+    assert_bits_equal(got, tbik.tree_matmul(x, w.t(), out_dtype=torch.float32, _split=1))
+
+
 @pytest.mark.parametrize("k", [300, 100, 13])
 def test_ragged_k_is_zero_padded_chunks(k):
     # Documented: chunk width ceil(K/C); the tail of the last chunk(s) counts as zeros. So the

@@ -44,7 +44,9 @@ def apply() -> None:
     def create_dot_ordered(self, a, b, d, input_precision, max_num_imprecise_acc):
         if a.dtype.scalar.is_int() or d.dtype.scalar != tl.float32:
             return create_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
-        a, b = widen(a).data.astype(np.float32), widen(b).data.astype(np.float32)
+        # C order: a transposed operand (b.T of a TMA load) would otherwise make K the innermost
+        # axis of the products, and NumPy sums an innermost axis pairwise, not in order.
+        a, b = (widen(x).data.astype(np.float32, order="C") for x in (a, b))
         products = a[..., :, :, None] * b[..., None, :, :]  # [.., M, K, N]
         # A reduction over a non-innermost axis adds the K slices one after the other.
         return interpreter.TensorHandle(products.sum(axis=-2, dtype=np.float32) + d.data, tl.float32)

@@ -16,11 +16,14 @@ from __future__ import annotations
 import warnings
 
 import torch
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 
 def _spec(x):
     if isinstance(x, torch.Tensor):
         return x.dtype, x.data_ptr() % 16 == 0
+    if isinstance(x, TensorDescriptor):  # Triton specializes on the dtype and the block shape
+        return x.base.dtype, tuple(x.block_shape)
     if isinstance(x, bool):
         return "b", x
     if isinstance(x, int):
@@ -37,10 +40,11 @@ class CachedKernel:
     def __call__(self, grid: tuple, args: tuple, meta: dict) -> None:
         """fn[grid](*args, **meta): `args` the run-time arguments in order, `meta` the constexprs
         and the launch options."""
-        if not self.direct or not args[0].is_cuda:
+        first = args[0].base if isinstance(args[0], TensorDescriptor) else args[0]
+        if not self.direct or not first.is_cuda:
             self.fn[grid](*args, **meta)
             return
-        key = (tuple(meta.items()), args[0].device.index, *map(_spec, args))
+        key = (tuple(meta.items()), first.device.index, *map(_spec, args))
         kernel = self.compiled.get(key)
         if kernel is None:  # Triton's path: compiles (once) and launches
             self.compiled[key] = self.fn[grid](*args, **meta)

@@ -15,6 +15,8 @@ LEAVES/SPLIT consecutive leaves:
   * SPLIT > 1 (small M, too few output tiles to fill the GPU): SPLIT programs each reduce their
     own subtree, write it to a workspace, and the last one to arrive (atomic ticket) adds the
     SPLIT subtree roots in the same pairwise order and writes the output.
+Operands whose rows run along K (A [M, K] and B^T [N, K], 16-byte aligned) load through TMA
+tensor descriptors, others through pointers: the same tiles either way.
 Both strategies run the same dot instructions on the same tiles and the same fp32 additions in
 the same tree, so the choice (made from M, N and the GPU size) never changes a bit; the tests
 check this for every SPLIT.
@@ -33,27 +35,44 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .launcher import CachedKernel
 
 # Per input dtype; BLOCK_K shrinks for chunks narrower than it (see _config). REG_LEVELS is how
 # many of the lowest tree levels keep their pending left sibling in registers (higher levels go
 # through a small per-program fp32 scratch). Each one costs a full fp32 tile of registers: a
-# 64x128 tile over 8 warps holds acc + 2 pending tiles in 222 registers without spilling, while
-# 128x128 tiles spill (ptxas -v for sm_90a). BLOCK_K=128 halves the barriers per K step against
-# 64 (+14% on the H100 sweep, reports/kernels/run2/sweep.md).
+# 64x128 tile over 8 warps holds acc + 2 pending tiles without spilling, while 128x128 tiles
+# spill even with the pending tiles in scratch (ptxas -v for sm_90a). BLOCK_K=128 halves the
+# barriers per K step against 64 (+14% on the H100 sweep, reports/kernels/run2/sweep.md).
+# TMA: K-contiguous operands load through tensor descriptors (no per-thread address
+# registers), which leaves room for a fourth stage: +8% at M >= 128, +25% at M <= 32 against
+# pointer loads on the H200 sweep (reports/engine/h200x2-lanes/lane0.log). Other layouts keep
+# the pointer loads; both give the same bits.
 _CONFIGS = {
-    torch.bfloat16: dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3, REG_LEVELS=2),
-    torch.float16: dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3, REG_LEVELS=2),
-    torch.float32: dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=3, REG_LEVELS=2),
+    torch.bfloat16: dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=4, REG_LEVELS=2, TMA=True),
+    torch.float16: dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=4, REG_LEVELS=2, TMA=True),
+    torch.float32: dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=3, REG_LEVELS=2, TMA=False),
 }
 _GROUP_M = 8  # tile swizzle for L2 reuse: only decides which program computes a tile, not how
 _PROGRAMS_PER_SM = 2  # persistent grid size (finer load balance); like SPLIT, never changes a bit
 
 
 @triton.jit
-def _tree_push(v, leaf, p0, p1, p2, p3, scratch, LEVELS: tl.constexpr, REG_LEVELS: tl.constexpr,
-               SLOT: tl.constexpr):
+def _slot(scratch, slot, v, leaf):
+    """Pointers to scratch slot `slot` of a program's scratch (scalar base), tile-shaped like v.
+
+    Built where used: a pointer tile made once outside the K loop would stay live in registers
+    (two per element) through the whole loop, which is what makes large tiles spill."""
+    BM: tl.constexpr = v.shape[0]
+    BN: tl.constexpr = v.shape[1]
+    offs = tl.arange(0, BM)[:, None] * BN + tl.arange(0, BN)[None, :]
+    # leaf >> 30 is 0 (leaf < 2**30), but the compiler cannot see that, so it will not hoist the tile
+    return scratch + (slot + (leaf >> 30)) * (BM * BN) + offs
+
+
+@triton.jit
+def _tree_push(v, leaf, p0, p1, p2, p3, scratch, LEVELS: tl.constexpr, REG_LEVELS: tl.constexpr):
     """Adds leaf number `leaf` (value v) to a pairwise tree built left to right.
 
     p0..p3 (registers) and scratch slots (memory, SLOT elements apart) hold the pending left
@@ -74,7 +93,7 @@ def _tree_push(v, leaf, p0, p1, p2, p3, scratch, LEVELS: tl.constexpr, REG_LEVEL
                 else:
                     v = p3 + v
             else:
-                v = tl.load(scratch + (lvl - REG_LEVELS) * SLOT) + v
+                v = tl.load(_slot(scratch, lvl - REG_LEVELS, v, leaf)) + v
         elif low == (1 << lvl) - 1:  # the carry stops here: v waits for its right sibling
             if lvl < REG_LEVELS:
                 if lvl == 0:
@@ -86,7 +105,7 @@ def _tree_push(v, leaf, p0, p1, p2, p3, scratch, LEVELS: tl.constexpr, REG_LEVEL
                 else:
                     p3 = v
             else:
-                tl.store(scratch + (lvl - REG_LEVELS) * SLOT, v)
+                tl.store(_slot(scratch, lvl - REG_LEVELS, v, leaf), v)
     return v, p0, p1, p2, p3
 
 
@@ -124,7 +143,7 @@ def _join_parts(parts, bias_ptr, out_ptr, first_m, offs_n, M, N, stride_om, stri
             q3 = q
             for s in tl.static_range(SPLIT):
                 v = tl.load(ptrs + s * (BLOCK_M * BLOCK_N), mask=rows, cache_modifier=".cg")
-                q, q0, q1, q2, q3 = _tree_push(v, s, q0, q1, q2, q3, ptrs, SPLIT_LEVELS, 4, 0)
+                q, q0, q1, q2, q3 = _tree_push(v, s, q0, q1, q2, q3, ptrs, SPLIT_LEVELS, 4)
             _epilogue(q, bias_ptr, out_ptr, offs_m, offs_n, M, N, stride_om, stride_on, HAS_BIAS)
 
 
@@ -136,7 +155,7 @@ def _tree_matmul_kernel(
     LEAVES: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     UNIT_LEVELS: tl.constexpr, SPLIT_LEVELS: tl.constexpr, SCRATCH_SLOTS: tl.constexpr,
-    REG_LEVELS: tl.constexpr, PRECISION: tl.constexpr,
+    REG_LEVELS: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr,
 ):
     UNIT_LEAVES: tl.constexpr = LEAVES // SPLIT
     TILE: tl.constexpr = BLOCK_M * BLOCK_N
@@ -153,7 +172,7 @@ def _tree_matmul_kernel(
     rn = tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     tile_offs = rm[:, None] * BLOCK_N + rn[None, :]
-    scratch = scratch_ptr + pid * (SCRATCH_SLOTS * TILE) + tile_offs
+    scratch = scratch_ptr + pid * (SCRATCH_SLOTS * TILE)  # scalar: see _slot
 
     # Persistent loop: a program's units run one after the other, so the scratch is per program.
     for unit in range(pid, num_units, num_progs):
@@ -168,8 +187,9 @@ def _tree_matmul_kernel(
         offs_n = pid_n * BLOCK_N + rn
         # Rows/columns past the edge load a wrapped-around copy instead of a masked zero: they
         # never reach the output and the loads stay unmasked.
-        a_rows = a_ptr + (offs_m % M).to(tl.int64)[:, None] * stride_am
-        b_cols = b_ptr + (offs_n % N).to(tl.int64)[None, :] * stride_bn
+        if not TMA:
+            a_rows = a_ptr + (offs_m % M).to(tl.int64)[:, None] * stride_am
+            b_cols = b_ptr + (offs_n % N).to(tl.int64)[None, :] * stride_bn
 
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         p0 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -182,12 +202,18 @@ def _tree_matmul_kernel(
             j = it - leaf * tiles_per_leaf
             leaf_start = (first_leaf + leaf) * chunk_width
             offs_k = leaf_start + j * BLOCK_K + rk
-            a_ptrs = a_rows + offs_k[None, :] * stride_ak
-            b_ptrs = b_cols + offs_k[:, None] * stride_bk
-            if EVEN_K:
+            if TMA:
+                # a_ptr, b_ptr are descriptors of A [M, K] and B^T [N, K]; rows past M load zeros.
+                a = a_ptr.load([pid_m * BLOCK_M, leaf_start + j * BLOCK_K])
+                b = b_ptr.load([pid_n * BLOCK_N, leaf_start + j * BLOCK_K]).T
+            elif EVEN_K:
+                a_ptrs = a_rows + offs_k[None, :] * stride_ak
+                b_ptrs = b_cols + offs_k[:, None] * stride_bk
                 a = tl.load(a_ptrs)
                 b = tl.load(b_ptrs)
             else:
+                a_ptrs = a_rows + offs_k[None, :] * stride_ak
+                b_ptrs = b_cols + offs_k[:, None] * stride_bk
                 # Masked tail: K positions past the leaf (or past K) count as zeros.
                 k_end = tl.minimum(leaf_start + chunk_width, K)
                 a = tl.load(a_ptrs, mask=offs_k[None, :] < k_end, other=0.0)
@@ -196,10 +222,10 @@ def _tree_matmul_kernel(
             if UNIT_LEAVES > 1:  # (a unit of one leaf keeps a branch-free, fully async loop)
                 if (j == tiles_per_leaf - 1) & (leaf < UNIT_LEAVES - 1):
                     _, p0, p1, _, _ = _tree_push(acc, leaf, p0, p1, p0, p0, scratch,
-                                                 UNIT_LEVELS, REG_LEVELS, TILE)
+                                                 UNIT_LEVELS, REG_LEVELS)
                     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         root, _, _, _, _ = _tree_push(acc, UNIT_LEAVES - 1, p0, p1, p0, p0, scratch,
-                                      UNIT_LEVELS, REG_LEVELS, TILE)
+                                      UNIT_LEVELS, REG_LEVELS)
 
         if SPLIT == 1:
             _epilogue(root, bias_ptr, out_ptr, offs_m, offs_n, M, N, stride_om, stride_on, HAS_BIAS)
@@ -279,8 +305,15 @@ class _Plan(NamedTuple):
     meta: dict
 
 
+def _tma_fits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """TMA reads rows of A [M, K] and of B^T [N, K]: both K-contiguous, 16-byte aligned."""
+    e = a.element_size()
+    return (a.stride(1) == 1 and b.stride(0) == 1 and a.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0
+            and a.stride(0) * e % 16 == 0 and b.stride(1) * e % 16 == 0)
+
+
 @functools.lru_cache(maxsize=4096)
-def _plan(dtype, device, m, n, k_len, leaves, chunk_width, has_bias, split) -> _Plan:
+def _plan(dtype, device, m, n, k_len, leaves, chunk_width, has_bias, split, tma_fits) -> _Plan:
     """Everything about a launch that follows from the shapes, computed once per shape."""
     cfg = _config(dtype, chunk_width)
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
@@ -298,9 +331,12 @@ def _plan(dtype, device, m, n, k_len, leaves, chunk_width, has_bias, split) -> _
         # stays small (and L2-resident) whatever M and N are.
         num_progs = min(units, _num_sms(device) * _PROGRAMS_PER_SM)
         scratch_numel = num_progs * scratch_slots * bm * bn
+    even_k = chunk_width % cfg["BLOCK_K"] == 0 and chunk_width * leaves == k_len
     meta = dict(
-        LEAVES=leaves, SPLIT=split, HAS_BIAS=has_bias,
-        EVEN_K=chunk_width % cfg["BLOCK_K"] == 0 and chunk_width * leaves == k_len,
+        LEAVES=leaves, SPLIT=split, HAS_BIAS=has_bias, EVEN_K=even_k,
+        # TMA loads the same tiles as the pointer loads (rows past M as zeros instead of
+        # wrapped copies, which never reach the output): a way to load, never a change of bits.
+        TMA=cfg["TMA"] and tma_fits and even_k,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=cfg["BLOCK_K"], GROUP_M=_GROUP_M,
         UNIT_LEVELS=unit_levels, SPLIT_LEVELS=split.bit_length() - 1, SCRATCH_SLOTS=scratch_slots,
         REG_LEVELS=cfg["REG_LEVELS"], PRECISION="ieee" if dtype == torch.float32 else "tf32",
@@ -332,7 +368,7 @@ _kernel = CachedKernel(_tree_matmul_kernel)
 def launch(a, b, bias, out, k_len, leaves, chunk_width, split=None):
     """out = the tree over `leaves` chunks of width chunk_width of a @ b (+ bias), checked operands."""
     m, n = out.shape
-    plan = _plan(a.dtype, a.device, m, n, k_len, leaves, chunk_width, bias is not None, split)
+    plan = _plan(a.dtype, a.device, m, n, k_len, leaves, chunk_width, bias is not None, split, _tma_fits(a, b))
     # Buffers the kernel does not touch in this specialization are stood in for by `out`.
     ws = scratch = tickets = out
     if plan.ws_numel or plan.scratch_numel:
@@ -343,7 +379,11 @@ def launch(a, b, bias, out, k_len, leaves, chunk_width, split=None):
         if plan.scratch_numel:
             scratch = buf[plan.ws_numel:plan.ws_numel + plan.scratch_numel]
     sa, sb, so = a.stride(), b.stride(), out.stride()
-    args = (a, b, bias if bias is not None else a, out, ws, scratch, tickets,
+    if plan.meta["TMA"]:
+        meta = plan.meta
+        a = TensorDescriptor(a, [m, k_len], [a.stride(0), 1], [meta["BLOCK_M"], meta["BLOCK_K"]])
+        b = TensorDescriptor(b, [n, k_len], [b.stride(1), 1], [meta["BLOCK_N"], meta["BLOCK_K"]])
+    args = (a, b, bias if bias is not None else out, out, ws, scratch, tickets,
             m, n, k_len, chunk_width, plan.units, plan.grid[0], sa[0], sa[1], sb[0], sb[1], so[0], so[1])
     _kernel(plan.grid, args, plan.meta)
     return out
