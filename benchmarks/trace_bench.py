@@ -10,8 +10,10 @@ untraced, traced, and reports the median engine time of each. Target: traced <= 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import platform
+import pstats
 import statistics
 import sys
 import time
@@ -39,6 +41,7 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--profile", action="store_true", help="then print cProfile's most expensive calls of one traced cell per mode")
     ap.add_argument("--json", help="merge the rows into this JSON list (rows of the same device and batch are replaced)")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -89,6 +92,12 @@ def main() -> None:
                      "command": " ".join(["python3 benchmarks/trace_bench.py", *sys.argv[1:]])})
         if args.json:  # after every mode: a run cut short keeps what it measured
             _write(Path(args.json), device, args, rows)
+    if args.profile:
+        for mode in ("score", "generate"):
+            prof = cProfile.Profile()
+            prof.runcall(cell, mode, True)
+            print(f"\n## cProfile, one traced {mode} cell (tottime)")
+            pstats.Stats(prof, stream=sys.stdout).sort_stats("tottime").print_stats(30)
 
 
 def _write(path: Path, device: str, args, rows: list[dict]) -> None:

@@ -59,7 +59,7 @@ def main() -> None:
         prof.disable()
     print(f"{table.num_rows:,} rows; traced forwards {forwards:.2f} s; finish {time.perf_counter() - t0:.3f} s")
     if prof:
-        pstats.Stats(prof).sort_stats("tottime").print_stats(8)
+        pstats.Stats(prof).sort_stats("tottime").print_stats(25)
 
 
 if __name__ == "__main__":

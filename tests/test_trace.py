@@ -4,6 +4,7 @@ true one, found independently by comparing whole module outputs; tbik locates no
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -92,7 +93,8 @@ def _true_first_module(model_dir: Path, tokens: list[int], tmp_path: Path) -> st
     script = tmp_path / "truth.py"
     script.write_text(TRUTH)
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                           str(script), str(model_dir), json.dumps(tokens)], capture_output=True, text=True, timeout=600)
+                           str(script), str(model_dir), json.dumps(tokens)], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})  # gloo on CPU, also where a GPU is
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("FIRST ")), None)
     assert line, proc.stdout[-2000:] + proc.stderr[-3000:]
     return json.loads(line[len("FIRST "):])

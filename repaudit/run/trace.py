@@ -140,8 +140,8 @@ class Tracer:
         key = len(self._keys) - 1
         # Two copies for the whole step, not two per module: a step of a 28-layer model would
         # otherwise launch some 900 small copies after a replay that is itself one launch.
-        digests = torch.cat([d for _, d, _, _ in taken]).split([len(d) for _, d, _, _ in taken])
-        samples = torch.cat([s for _, _, s, _ in taken]).split([len(s) for _, _, s, _ in taken])
+        digests = torch.cat([d for _, d, _, _ in taken]).split([d.shape[0] for _, d, _, _ in taken])
+        samples = torch.cat([s for _, _, s, _ in taken]).split([s.shape[0] for _, _, s, _ in taken])
         for (calls, _, _, experts), d, s in zip(taken, digests, samples):
             calls.digests.append(d)
             calls.samples.append(s)
@@ -248,7 +248,7 @@ class Tracer:
             flat = torch.cat([torch.cat(self.calls[n].digests) for n in sharded]
                              + [torch.cat(self.calls[n].samples).reshape(-1) for n in sharded])
             dist.all_reduce(flat)  # int64 sums wrap mod 2^64, as the digest does
-            d_sizes = [sum(len(d) for d in self.calls[n].digests) for n in sharded]
+            d_sizes = [sum(d.shape[0] for d in self.calls[n].digests) for n in sharded]
             digests, samples = flat[: sum(d_sizes)].split(d_sizes), flat[sum(d_sizes):].split([s * SAMPLES for s in d_sizes])
             for n, d, s in zip(sharded, digests, samples):
                 self.calls[n].digests, self.calls[n].samples = [d], [s.reshape(-1, SAMPLES)]
@@ -268,8 +268,8 @@ class Tracer:
         order = np.repeat(np.array([c.info.order for c in calls], dtype=np.int32), counts)
         sel = _kept_rows(calls, token_of_key, counts, disjoint)
         # One copy off the device per column; a sample's uint32 bits are made on the device.
-        digest = torch.cat([d for c in calls for d in c.digests]).cpu().numpy().view(np.uint64)
-        sample = torch.cat([x for c in calls for x in c.samples]).to(torch.int32).cpu().numpy().view(np.uint32)
+        digest = _host(torch.cat([d for c in calls for d in c.digests])).view(np.uint64)
+        sample = _host(torch.cat([x for c in calls for x in c.samples]).to(torch.int32)).view(np.uint32)
         experts = [torch.cat(c.experts).cpu().numpy() if c.info.routing else None for c in calls]
         if sel is not None:
             row_code, row_pos, module, order = row_code[sel], row_pos[sel], module[sel], order[sel]
@@ -287,7 +287,9 @@ class Tracer:
 
     def _settle(self) -> None:
         """Decode steps' rows that were not live go; their keys get their positions. One host
-        copy per step's two vectors, one gather per module and column."""
+        copy per step's two vectors, one gather per module and column. Only finish() reads the
+        rows after this, module by module, so each module's rows stay one tensor (splitting
+        them back per forward cost more than the gather, for finish to concatenate again)."""
         if not self._pending:
             return
         keep: dict[int, np.ndarray] = {}
@@ -295,16 +297,24 @@ class Tracer:
             keep[k] = live.cpu().numpy().astype(bool)
             self._keys[k] = (self._keys[k][0][keep[k]], pos.cpu().numpy().astype(np.int64)[keep[k]])
         self._pending.clear()
-        for c in self.calls.values():
-            if not any(k in keep for k in c.keys):
-                continue
-            rows = np.concatenate([keep[k] if k in keep else np.ones(len(d), dtype=bool) for k, d in zip(c.keys, c.digests)])
-            lengths = [int(keep[k].sum()) if k in keep else len(d) for k, d in zip(c.keys, c.digests)]
-            index = torch.from_numpy(np.flatnonzero(rows)).to(c.digests[0].device)
-            c.digests = list(torch.cat(c.digests)[index].split(lengths))
-            c.samples = list(torch.cat(c.samples)[index].split(lengths))
-            if c.info.routing:
-                c.experts = list(torch.cat(c.experts)[index].split(lengths))
+        # One gather for all modules at once: per module it would be some 500 rounds of a
+        # concatenation, an index upload and a gather, each mostly launch overhead.
+        settle = [c for c in self.calls.values() if any(k in keep for k in c.keys)]
+        if not settle:
+            return
+        rows = np.concatenate([keep[k] if k in keep else np.ones(d.shape[0], dtype=bool)
+                               for c in settle for k, d in zip(c.keys, c.digests)])
+        kept = [int(rows[a:b].sum()) for a, b in _bounds([sum(d.shape[0] for d in c.digests) for c in settle])]
+        index = torch.from_numpy(np.flatnonzero(rows)).to(settle[0].digests[0].device)
+        digests = torch.cat([d for c in settle for d in c.digests])[index].split(kept)
+        samples = torch.cat([x for c in settle for x in c.samples])[index].split(kept)
+        for c, d, x in zip(settle, digests, samples):
+            c.digests, c.samples = [d], [x]
+        for c in settle:
+            if c.info.routing:  # a router's rows of the experts column: few modules, gathered apart
+                mine = np.concatenate([keep[k] if k in keep else np.ones(e.shape[0], dtype=bool)
+                                       for k, e in zip(c.keys, c.experts)])
+                c.experts = [torch.cat(c.experts)[torch.from_numpy(np.flatnonzero(mine)).to(index.device)]]
 
     def _tokens(self) -> tuple[list[str], tuple[np.ndarray, np.ndarray], list[np.ndarray], bool]:
         """The traced tokens (prompt, position): the sorted prompt ids, each token's (prompt code,
@@ -333,7 +343,7 @@ class Tracer:
         dist.all_reduce(high, op=dist.ReduceOp.MAX)
         dist.all_reduce(low, op=dist.ReduceOp.MIN)
         differ = (high != low).cpu().numpy()
-        sizes = [sum(len(d) for d in self.calls[n].digests) for n in names]
+        sizes = [sum(d.shape[0] for d in self.calls[n].digests) for n in names]
         for n, rows in zip(names, np.split(differ, np.cumsum(sizes)[:-1])):
             info = self.calls[n].info
             info.ranks_disagree = int(rows.sum())
@@ -341,6 +351,23 @@ class Tracer:
                 pids, pos = self._rows_of(self.calls[n])
                 first = int(np.argmax(rows))
                 info.first_disagreement = {"prompt_id": str(pids[first]), "pos": int(pos[first])}
+
+
+def _bounds(sizes: list[int]) -> list[tuple[int, int]]:
+    """(start, end) of consecutive runs of these sizes."""
+    ends = np.cumsum(sizes)
+    return list(zip((ends - np.asarray(sizes, dtype=np.int64)).tolist(), ends.tolist()))
+
+
+def _host(t: torch.Tensor) -> np.ndarray:
+    """A device tensor's values on the host: one copy into page-locked memory, which runs at
+    the link's speed (a pageable copy of a trace's hundreds of MB goes through a bounce
+    buffer), and which torch's host allocator keeps for the next cell's trace."""
+    if not t.is_cuda:
+        return t.numpy()
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t)
+    return host.numpy()
 
 
 def _experts_column(row_counts: list[int], ids: list[np.ndarray | None], sel: np.ndarray | None) -> pa.Array:
