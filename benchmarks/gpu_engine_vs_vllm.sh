@@ -13,22 +13,11 @@
 # vllm_speed.json, trace_overhead.json, profiles/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-reports/perf/lanes}; mkdir -p "$OUT"
-START=$(date +%s)
-step() { echo "== $(date +%T) [$(( $(date +%s) - START ))s] $1"; }
-nvidia-smi -L > "$OUT/machine.txt"
-bash benchmarks/vllm_install.sh 1 > "$OUT/vllm_install.log" 2>&1
-source benchmarks/vllm_env.sh
-python3 -c 'import torch, triton, transformers, vllm; print("torch", torch.__version__, "triton", triton.__version__,
-"transformers", transformers.__version__, "vllm", vllm.__version__)' >> "$OUT/machine.txt" 2>&1
-MODEL=$(python3 -c 'from repaudit import builtin; print(builtin.ensure("builtin:qwen3-0.6b"))')
-speed=(python3 benchmarks/engine_speed.py --model builtin:qwen3-0.6b --runs 1)
-
+OUT=${OUT:-reports/perf/lanes}
+source benchmarks/gpu_vllm_setup.sh
 lane0() {
   export CUDA_VISIBLE_DEVICES=0
-  step "pytest: graph replays vs eager steps"
-  timeout 200 python3 -m pytest -q -p no:cacheprovider -o addopts="" -rs tests/test_hf_decode.py -k graph \
-    > "$OUT/pytest-decode.log" 2>&1; echo "exit $?" >> "$OUT/pytest-decode.log"; tail -n 2 "$OUT/pytest-decode.log"
+  graph_tests
   step "engine speed, vLLM's workload, generate batch 32"
   timeout "${RANDOM_BUDGET:-150}" "${speed[@]}" --kernels stock,bi,tbik --mode generate --batch 32 --chunks 8 --random 256 \
     --new 128 --profile "$OUT/profiles" --json "$OUT/engine_speed_random.json" 2>&1 | grep -v Loading
@@ -47,12 +36,8 @@ lane1() {
   REPAUDIT_VLLM_MODEL="$MODEL" timeout 300 python3 -m pytest -q -p no:cacheprovider -o addopts="" -rs -m gpu \
     tests/test_vllm_engine.py > "$OUT/pytest-vllm.log" 2>&1; echo "exit $?" >> "$OUT/pytest-vllm.log"
   tail -n 3 "$OUT/pytest-vllm.log"
-  step "tracing overhead, batch 8"
-  timeout "${TRACE_BUDGET:-150}" python3 benchmarks/trace_bench.py --model builtin:qwen3-0.6b --probes default --batch-size 8 \
-    --repeats 1 --json "$OUT/trace_overhead.json" 2>&1 | grep -v Loading
+  trace_overhead 1 "${TRACE_BUDGET:-150}"
   step "lane 1 done"
 }
 
-lane0 > "$OUT/lane0.log" 2>&1 &
-lane1 > "$OUT/lane1.log" 2>&1 &
-wait
+run_lanes

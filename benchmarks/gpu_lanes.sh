@@ -10,23 +10,12 @@
 #   OUT=dir [ENGINE_KERNELS=stock,bi,tbik] bash benchmarks/gpu_lanes.sh   # .carry/vllm/part-1.tar.xz carried
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-reports/perf/lanes}; mkdir -p "$OUT"
+OUT=${OUT:-reports/perf/lanes}
 KERNELS=${ENGINE_KERNELS:-stock,bi,tbik}
-START=$(date +%s)
-step() { echo "== $(date +%T) [$(( $(date +%s) - START ))s] $1"; }
-nvidia-smi -L > "$OUT/machine.txt"
-bash benchmarks/vllm_install.sh 1 > "$OUT/vllm_install.log" 2>&1
-source benchmarks/vllm_env.sh
-python3 -c 'import torch, triton, transformers, vllm; print("torch", torch.__version__, "triton", triton.__version__,
-"transformers", transformers.__version__, "vllm", vllm.__version__)' >> "$OUT/machine.txt" 2>&1
-MODEL=$(python3 -c 'from repaudit import builtin; print(builtin.ensure("builtin:qwen3-0.6b"))')
-speed=(python3 benchmarks/engine_speed.py --model builtin:qwen3-0.6b --runs 1)
-
+source benchmarks/gpu_vllm_setup.sh
 lane0() {
   export CUDA_VISIBLE_DEVICES=0
-  step "pytest: graph replays vs eager steps"
-  timeout 200 python3 -m pytest -q -p no:cacheprovider -o addopts="" -rs tests/test_hf_decode.py -k graph \
-    > "$OUT/pytest-decode.log" 2>&1; echo "exit $?" >> "$OUT/pytest-decode.log"; tail -n 2 "$OUT/pytest-decode.log"
+  graph_tests
   step "engine speed, vLLM's workload, generate batch 32"
   timeout "${RANDOM_BUDGET:-120}" "${speed[@]}" --kernels "$KERNELS" --mode generate --batch 32 --chunks 8 --random 256 \
     --new 128 --json "$OUT/engine_speed_random.json" 2>&1 | grep -v Loading
@@ -47,13 +36,9 @@ lane1() {
     timeout 200 python3 benchmarks/vllm_speed.py --model "$MODEL" --tp 1 --kernels stock --prompts 256 --new 128 --runs 1 \
       --vllm-args "$args" --json "$OUT/vllm_speed.json" 2>&1 | grep -v "it/s\]" | tail -n 3
   done
-  step "tracing overhead, batch 8"
-  timeout "${TRACE_BUDGET:-200}" python3 benchmarks/trace_bench.py --model builtin:qwen3-0.6b --probes default --batch-size 8 \
-    --repeats 2 --json "$OUT/trace_overhead.json" 2>&1 | grep -v Loading
+  trace_overhead 2 "${TRACE_BUDGET:-200}"
   step "lane 1 done"
 }
 
-lane0 > "$OUT/lane0.log" 2>&1 &
-lane1 > "$OUT/lane1.log" 2>&1 &
-wait
+run_lanes
 tail -n 30 "$OUT/lane0.log" "$OUT/lane1.log"

@@ -1,0 +1,34 @@
+# Sourced by the two-lane GPU scripts (gpu_lanes.sh, gpu_engine_vs_vllm.sh) from the repository
+# root with OUT set: timed step lines, the machine and versions in $OUT/machine.txt, the carried
+# vLLM installed and on PYTHONPATH, MODEL (the built-in Qwen3-0.6B-shaped model's folder), `speed`
+# (engine_speed.py's common arguments), graph_tests (CUDA-graph replays against eager steps),
+# trace_overhead REPEATS SECONDS (benchmarks/trace_bench.py, batch 8) and run_lanes (the script's
+# lane0 and lane1 at the same time, logged to $OUT/lane0.log and lane1.log).
+mkdir -p "$OUT"
+START=$(date +%s)
+step() { echo "== $(date +%T) [$(( $(date +%s) - START ))s] $1"; }
+nvidia-smi -L > "$OUT/machine.txt"
+bash benchmarks/vllm_install.sh 1 > "$OUT/vllm_install.log" 2>&1
+source benchmarks/vllm_env.sh
+python3 -c 'import torch, triton, transformers, vllm; print("torch", torch.__version__, "triton", triton.__version__,
+"transformers", transformers.__version__, "vllm", vllm.__version__)' >> "$OUT/machine.txt" 2>&1
+MODEL=$(python3 -c 'from repaudit import builtin; print(builtin.ensure("builtin:qwen3-0.6b"))')
+speed=(python3 benchmarks/engine_speed.py --model builtin:qwen3-0.6b --runs 1)
+
+graph_tests() {
+  step "pytest: graph replays vs eager steps"
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -o addopts="" -rs tests/test_hf_decode.py -k graph \
+    > "$OUT/pytest-decode.log" 2>&1; echo "exit $?" >> "$OUT/pytest-decode.log"; tail -n 2 "$OUT/pytest-decode.log"
+}
+
+trace_overhead() {
+  step "tracing overhead, batch 8"
+  timeout "$2" python3 benchmarks/trace_bench.py --model builtin:qwen3-0.6b --probes default --batch-size 8 \
+    --repeats "$1" --json "$OUT/trace_overhead.json" 2>&1 | grep -v Loading
+}
+
+run_lanes() {
+  lane0 > "$OUT/lane0.log" 2>&1 &
+  lane1 > "$OUT/lane1.log" 2>&1 &
+  wait
+}
