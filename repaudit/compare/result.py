@@ -82,7 +82,8 @@ class RLMetrics:
     flip_margin_p50: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {f.name: list(self.clip) if f.name == "clip" else json_float(getattr(self, f.name)) for f in fields(self)}
+        return {f.name: [json_float(x) for x in self.clip] if f.name == "clip" else json_float(getattr(self, f.name))
+                for f in fields(self)}
 
 
 @dataclass
