@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from decimal import Decimal, localcontext
 from fractions import Fraction
 from pathlib import Path
@@ -207,3 +208,20 @@ def test_infinite_ratio_is_spelled_in_json(tmp_path, capsys):
     capsys.readouterr()
     rl = json.loads(js.read_text())["rl"]
     assert rl["ratio_max"] == "inf" and rl["kl_k3"] == "inf" and rl["clip_frac"] == 1.0 and rl["positions"] == 2
+
+
+def test_a_signalling_nan_margin_is_left_out_quietly(tmp_path):
+    # Record A's top-1 logprob at the one flipped position is a signalling NaN: its float64 cast
+    # must not warn (or raise under -W error), and the median has no margin to take.
+    rows = dict(prompt_id=["x", "x"], pos=[0, 1], token_id=[1, 2], **META)
+    ids = np.array([[5, 6], [5, 6]], np.int32)
+    write_record(tmp_path / "a.parquet", **rows, logprob=np.array([-1.0, -2.0], np.float32), top1_id=[5, 5],
+                 topk_ids=ids, topk_logprobs=f32([[0x3F800000, 0], [0x7F800001, 0]]), cell={"id": "a"})
+    write_record(tmp_path / "b.parquet", **rows, logprob=np.array([-1.0, -2.0], np.float32), top1_id=[5, 6],
+                 topk_ids=ids[:, ::-1].copy(), topk_logprobs=f32([[0x3F800000, 0], [0, 0]]), cell={"id": "b"})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        r = diff_records(tmp_path / "a.parquet", tmp_path / "b.parquet")
+    rl = r.to_dict()["rl"]
+    assert rl["flip_rate"] == 0.5 and rl["flip_margin_p50"] is None
+    assert any("numeric margin" in s for s in r.not_compared)

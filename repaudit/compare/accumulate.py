@@ -156,8 +156,9 @@ class Accumulator:
             return
         if a.topk_len is not None:
             rows = rows[a.topk_len[rows] >= 2]
-        top = a.topk_bits[rows, :2].view(np.float32).astype(np.float64)
-        margin = top[:, 0] - top[:, 1]
+        with np.errstate(invalid="ignore"):  # a signalling NaN's cast warns; it is left out below anyway
+            top = a.topk_bits[rows, :2].view(np.float32).astype(np.float64)
+            margin = top[:, 0] - top[:, 1]
         self.flip_margins.append(margin[~np.isnan(margin)])  # a NaN has no place in a median
 
     def _topk(self, a: Chunk, b: Chunk, ctx: np.ndarray | None) -> None:

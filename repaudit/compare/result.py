@@ -172,7 +172,7 @@ class DiffResult:
         if self.rl.nonfinite:
             out.append(f"RL metrics: {self.rl.nonfinite} positions with a NaN or infinite logprob left out")
         if self.rl.flips and self.rl.flip_margin_p50 is None:
-            out.append("flip margin: record A holds no top-k list of 2 or more at the flipped positions")
+            out.append("flip margin: record A holds no top-k list of 2 or more with a numeric margin at the flipped positions")
         return out
 
     @property
