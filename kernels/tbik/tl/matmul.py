@@ -62,8 +62,10 @@ _PROGRAMS_PER_SM = 2  # persistent grid size (finer load balance); like SPLIT, n
 def _slot(scratch, slot, v, leaf):
     """Pointers to scratch slot `slot` of a program's scratch (scalar base), tile-shaped like v.
 
-    Built where used: a pointer tile made once outside the K loop would stay live in registers
-    (two per element) through the whole loop, which is what makes large tiles spill."""
+    Built where used (the `leaf >> 30` keeps the compiler from hoisting it), so that no tile of
+    64-bit pointers is held through the K loop. That was meant for 128x128 tiles, which spill
+    anyway; for the shipped 64x128 tiles ptxas counts 224 registers a thread with it and 218
+    with the hoisted tile (TMA loads), no spills either way."""
     BM: tl.constexpr = v.shape[0]
     BN: tl.constexpr = v.shape[1]
     offs = tl.arange(0, BM)[:, None] * BN + tl.arange(0, BN)[None, :]
@@ -201,23 +203,23 @@ def _tree_matmul_kernel(
             leaf = it // tiles_per_leaf
             j = it - leaf * tiles_per_leaf
             leaf_start = (first_leaf + leaf) * chunk_width
-            offs_k = leaf_start + j * BLOCK_K + rk
+            k0 = leaf_start + j * BLOCK_K
             if TMA:
                 # a_ptr, b_ptr are descriptors of A [M, K] and B^T [N, K]; rows past M load zeros.
-                a = a_ptr.load([pid_m * BLOCK_M, leaf_start + j * BLOCK_K])
-                b = b_ptr.load([pid_n * BLOCK_N, leaf_start + j * BLOCK_K]).T
-            elif EVEN_K:
-                a_ptrs = a_rows + offs_k[None, :] * stride_ak
-                b_ptrs = b_cols + offs_k[:, None] * stride_bk
-                a = tl.load(a_ptrs)
-                b = tl.load(b_ptrs)
+                a = a_ptr.load([pid_m * BLOCK_M, k0])
+                b = b_ptr.load([pid_n * BLOCK_N, k0]).T
             else:
+                offs_k = k0 + rk
                 a_ptrs = a_rows + offs_k[None, :] * stride_ak
                 b_ptrs = b_cols + offs_k[:, None] * stride_bk
-                # Masked tail: K positions past the leaf (or past K) count as zeros.
-                k_end = tl.minimum(leaf_start + chunk_width, K)
-                a = tl.load(a_ptrs, mask=offs_k[None, :] < k_end, other=0.0)
-                b = tl.load(b_ptrs, mask=offs_k[:, None] < k_end, other=0.0)
+                if EVEN_K:
+                    a = tl.load(a_ptrs)
+                    b = tl.load(b_ptrs)
+                else:
+                    # Masked tail: K positions past the leaf (or past K) count as zeros.
+                    k_end = tl.minimum(leaf_start + chunk_width, K)
+                    a = tl.load(a_ptrs, mask=offs_k[None, :] < k_end, other=0.0)
+                    b = tl.load(b_ptrs, mask=offs_k[:, None] < k_end, other=0.0)
             acc = tl.dot(a, b, acc, input_precision=PRECISION)
             if UNIT_LEAVES > 1:  # (a unit of one leaf keeps a branch-free, fully async loop)
                 if (j == tiles_per_leaf - 1) & (leaf < UNIT_LEAVES - 1):
