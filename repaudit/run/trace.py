@@ -304,17 +304,18 @@ class Tracer:
             return
         rows = np.concatenate([keep[k] if k in keep else np.ones(d.shape[0], dtype=bool)
                                for c in settle for k, d in zip(c.keys, c.digests)])
-        kept = [int(rows[a:b].sum()) for a, b in _bounds([sum(d.shape[0] for d in c.digests) for c in settle])]
-        index = torch.from_numpy(np.flatnonzero(rows)).to(settle[0].digests[0].device)
+        sizes = [sum(d.shape[0] for d in c.digests) for c in settle]
+        starts = np.cumsum([0, *sizes[:-1]])
+        device = settle[0].digests[0].device
+        index = torch.from_numpy(np.flatnonzero(rows)).to(device)
+        kept = np.add.reduceat(rows, starts, dtype=np.int64).tolist()
         digests = torch.cat([d for c in settle for d in c.digests])[index].split(kept)
         samples = torch.cat([x for c in settle for x in c.samples])[index].split(kept)
-        for c, d, x in zip(settle, digests, samples):
+        for c, d, x, start, size in zip(settle, digests, samples, starts, sizes):
             c.digests, c.samples = [d], [x]
-        for c in settle:
-            if c.info.routing:  # a router's rows of the experts column: few modules, gathered apart
-                mine = np.concatenate([keep[k] if k in keep else np.ones(e.shape[0], dtype=bool)
-                                       for k, e in zip(c.keys, c.experts)])
-                c.experts = [torch.cat(c.experts)[torch.from_numpy(np.flatnonzero(mine)).to(index.device)]]
+            if c.info.routing:  # a router's experts rows are its digest rows: the same slice of `rows`
+                mine = torch.from_numpy(np.flatnonzero(rows[start:start + size])).to(device)
+                c.experts = [torch.cat(c.experts)[mine]]
 
     def _tokens(self) -> tuple[list[str], tuple[np.ndarray, np.ndarray], list[np.ndarray], bool]:
         """The traced tokens (prompt, position): the sorted prompt ids, each token's (prompt code,
@@ -351,12 +352,6 @@ class Tracer:
                 pids, pos = self._rows_of(self.calls[n])
                 first = int(np.argmax(rows))
                 info.first_disagreement = {"prompt_id": str(pids[first]), "pos": int(pos[first])}
-
-
-def _bounds(sizes: list[int]) -> list[tuple[int, int]]:
-    """(start, end) of consecutive runs of these sizes."""
-    ends = np.cumsum(sizes)
-    return list(zip((ends - np.asarray(sizes, dtype=np.int64)).tolist(), ends.tolist()))
 
 
 def _host(t: torch.Tensor) -> np.ndarray:
