@@ -106,10 +106,57 @@ def one(args) -> dict:
     row["ratio"] = row["repaudit_tok_s"] / row["plain_tok_s"]
     if json.loads(args.vllm_args):
         row["vllm_args"] = json.loads(args.vllm_args)
+    if args.profile:
+        _profile(llm, requests, plain_params, args)
     if args.fixture:
         _fixture(llm, prompts, args)
         _capture_fixture(llm, prompts, args)
     return row
+
+
+# Kernel names to the op they serve, first match wins (tbik's Triton kernels, cuBLAS/CUTLASS,
+# FlashAttention (a CUTLASS kernel too, hence before matmul), NCCL, vLLM's and Inductor's own).
+_KINDS = (("all-reduce / all-gather", ("nccl", "allreduce", "all_reduce", "cross_device")),
+          ("tree sum", ("_tree_sum",)),
+          ("attention", ("attention", "flash", "fmha", "reshape_and_cache")),
+          ("matmul", ("_tree_matmul", "gemm", "cutlass", "nvjet", "sm90_xmma", "cublas", "splitk")),
+          ("norm / softmax / mean", ("norm", "softmax", "_mean", "rms")),
+          ("rotary", ("rotary", "rope")),
+          ("sampling / top-k", ("topk", "argmax", "sort", "sampl", "gumbel")))
+
+
+def _kind(name: str) -> str:
+    low = name.lower()
+    return next((kind for kind, keys in _KINDS if any(k in low for k in keys)), "other (elementwise, copies)")
+
+
+def _profile(llm, requests, params, args) -> None:
+    """One plain generation with torch.profiler in every worker: GPU time per kernel and per op
+    kind, written to --profile DIR/vllm-<kernels>-tp<N>.json and printed for rank 0."""
+    llm.collective_rpc("repaudit_profile_begin")
+    t0 = time.perf_counter()
+    outs = llm.generate(requests, params, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    ranks = llm.collective_rpc("repaudit_profile_end")
+    summary = []
+    for rank, kernels in enumerate(ranks):
+        kinds: dict[str, float] = {}
+        for k in kernels:
+            kinds[_kind(k["name"])] = kinds.get(_kind(k["name"]), 0.0) + k["us"]
+        summary.append({"rank": rank, "gpu_us": sum(kinds.values()),
+                        "by_kind_us": dict(sorted(kinds.items(), key=lambda kv: -kv[1])), "kernels": kernels[:60]})
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    out = {"kernels": args.kernels, "tp": args.tp, "device": _device_name(args.tp), "prompts": args.prompts,
+           "new_tokens": args.new, "wall_s_profiled": wall, "tokens": tokens, "ranks": summary}
+    path = Path(args.profile) / f"vllm-{args.kernels}-tp{args.tp}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=1))
+    r0 = summary[0]
+    print(f"profile ({args.kernels}, TP={args.tp}, rank 0): {r0['gpu_us'] / 1e6:.3f} s of kernels in {wall:.3f} s", flush=True)
+    for kind, us in r0["by_kind_us"].items():
+        print(f"  {kind:32s} {us / 1e6:8.3f} s  {us / r0['gpu_us']:6.1%}", flush=True)
+    for k in r0["kernels"][:15]:
+        print(f"  {k['us'] / 1e3:10.1f} ms {k['count']:7d}x  {k['name'][:110]}", flush=True)
 
 
 def _rows(outs, seqs, topk: int) -> list:
@@ -188,6 +235,7 @@ def main() -> None:
     ap.add_argument("--vllm-args", default="{}", help="JSON object of extra engine arguments")
     ap.add_argument("--json", help="append rows to this JSON file (a list)")
     ap.add_argument("--fixture")
+    ap.add_argument("--profile", metavar="DIR", help="then profile one plain generation in every worker: GPU time per kernel, in DIR")
     ap.add_argument("--stall", type=float, default=480, help="seconds after which a mode's process prints its stack and exits")
     ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -201,7 +249,8 @@ def main() -> None:
     for k in args.kernels.split(","):
         cmd = [sys.executable, __file__, "--one", "--model", args.model, "--tp", str(args.tp), "--kernels", k,
                "--prompts", str(args.prompts), "--new", str(args.new), "--topk", str(args.topk), "--runs", str(args.runs),
-               "--vllm-args", args.vllm_args, "--stall", str(args.stall)] + (["--fixture", args.fixture] if args.fixture and k == "stock" else [])
+               "--vllm-args", args.vllm_args, "--stall", str(args.stall)] + (["--fixture", args.fixture] if args.fixture and k == "stock" else []) \
+            + (["--profile", args.profile] if args.profile else [])
         # The child's output streams through (vLLM's progress bars left out), so a log shows how far a
         # mode got even when a time limit ends it.
         found = []

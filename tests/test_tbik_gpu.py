@@ -224,6 +224,33 @@ def test_attention_invariances():
         assert_bits_equal(step[b:b + 1], alone[b][:, :, -1:])
 
 
+@pytest.mark.parametrize("hq,hkv", [(16, 8), (32, 8), (8, 8)])
+def test_paged_attention_gives_each_query_the_bits_of_attention(hq, hkv):
+    """A serving batch over a paged cache (block size 16, shuffled table, NaN in unused slots):
+    a decode step, a whole prefill, a prefill chunk after cached keys, and decode steps of a
+    short and a long request; every query head's rows packed by key/value head in the kernel."""
+    seqs = _sequences([700, 130, 1500, 9, 2100], hq=hq, hkv=hkv, seed=hq)
+    block_size, d = 16, seqs[0][0].shape[2]
+    width = max(-(-k.shape[1] // block_size) for _, k, _ in seqs) + 1
+    free = torch.randperm(len(seqs) * width, generator=torch.Generator().manual_seed(3)).tolist()
+    table = torch.tensor([[free.pop() for _ in range(width)] for _ in seqs], dtype=torch.int32, device="cuda")
+    kc = torch.full((len(seqs) * width, block_size, hkv, d), float("nan"), device="cuda").bfloat16()
+    vc = kc.clone()
+    for r, (_, k, v) in enumerate(seqs):
+        pos = torch.arange(k.shape[1], device="cuda")
+        blocks = table[r, pos // block_size].long()
+        kc[blocks, pos % block_size], vc[blocks, pos % block_size] = k.transpose(0, 1), v.transpose(0, 1)
+    prefill = [tbik.attention(q[None], k[None], v[None]) for q, k, v in seqs]
+    new = [1, 130, 75, 1, 1]
+    queries = torch.cat([q[:, -n:].transpose(0, 1) for (q, _, _), n in zip(seqs, new)])  # [N, Hq, D]
+    qsl = torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    seq_lens = torch.tensor([k.shape[1] for _, k, _ in seqs], dtype=torch.int32, device="cuda")
+    out = tbik.paged_attention(queries, kc, vc, qsl, seq_lens, table, max_query_len=max(new))
+    assert not out.isnan().any()
+    for r, n in enumerate(new):
+        assert_bits_equal(out[qsl[r]:qsl[r + 1]].transpose(0, 1)[None], prefill[r][:, :, -n:])
+
+
 def test_attention_accuracy():
     (q, k, v), = _sequences([512], hq=8, hkv=2)
     out = tbik.attention(q[None], k[None], v[None])
@@ -242,6 +269,63 @@ def test_batch_invariant_mode_on_cuda():
     assert_bits_equal(one, full[9:10])
     assert_bits_equal(full, tbik.tree_matmul(x, lin.weight.t(), lin.bias))
     assert_bits_equal(ls, tbik.log_softmax(full.float()))
+
+
+# ---------------------------------------------------------------- fused ops with the eager ops' bits
+
+
+def _spread(*shape, dtype, seed):
+    """Normal values with rows scaled from 1e-3 to 1e3, so every exponent range is exercised."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(*shape, generator=g, device="cuda")
+    return (x * torch.logspace(-3, 3, shape[0], device="cuda").view(-1, *[1] * (len(shape) - 1))).to(dtype)
+
+
+def _eager_rms_norm(x, w, eps, residual=None):
+    """transformers' RMSNorm with tbik's mean, op by op (what the engine's tbik mode runs)."""
+    total = x if residual is None else residual + x
+    h = total.float()
+    return w * (h * torch.rsqrt(tbik.mean_last_dim(h.pow(2), keepdim=True) + eps)).to(x.dtype), total
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("n", [128, 1024, 1500, 4096])
+def test_rms_norm_gives_the_eager_ops_bits(n, dtype):
+    x, res = _spread(600, n, dtype=dtype, seed=n), _spread(600, n, dtype=dtype, seed=n + 1).flip(0)
+    w = (1 + 0.1 * _spread(n, dtype=torch.float32, seed=2)).to(dtype)
+    assert_bits_equal(tbik.rms_norm(x, w, 1e-6), _eager_rms_norm(x, w, 1e-6)[0])
+    out, total = tbik.rms_norm(x, w, 1e-6, residual=res)
+    want, want_total = _eager_rms_norm(x, w, 1e-6, res)
+    assert_bits_equal(total, want_total)
+    assert_bits_equal(out, want)
+    # Per-head norms of a fused qkv output: a two-level strided view, read in place.
+    qkv = _spread(300, 3 * 1024, dtype=dtype, seed=5)
+    q = qkv[:, :1024].view(300, 8, 128)
+    assert_bits_equal(tbik.rms_norm(q, w[:128], 1e-6), _eager_rms_norm(q, w[:128], 1e-6)[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_silu_and_mul_gives_the_eager_ops_bits(dtype):
+    x = _spread(700, 2 * 3072, dtype=torch.float32, seed=7) * 30
+    x[0, :12] = torch.tensor([0.0, -0.0, 1e-30, -1e-30, 80.0, -80.0, 90.0, -90.0, 110.0, -110.0,
+                              float("inf"), float("-inf")])
+    x = x.to(dtype)
+    d = x.shape[-1] // 2
+    assert_bits_equal(tbik.silu_and_mul(x), F.silu(x[:, :d]) * x[:, d:])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("head_dim,theta", [(128, 1e6), (128, 1e4), (64, 5e5)])
+def test_rope_gives_the_eager_ops_bits(head_dim, theta, dtype):
+    from tbik import cpu
+
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))  # as transformers, on the CPU
+    g = torch.Generator(device="cuda").manual_seed(head_dim)
+    positions = torch.cat([torch.arange(64, device="cuda"), torch.randint(0, 40960, (960,), generator=g, device="cuda")])
+    qkv = _spread(1024, 24 * head_dim, dtype=dtype, seed=9).flip(0)
+    for x in (qkv[:, :16 * head_dim], qkv[:, 16 * head_dim:20 * head_dim]):  # q and k of a fused qkv output
+        # cpu.rope is transformers' op sequence in plain torch: on CUDA tensors, the eager GPU ops.
+        assert_bits_equal(tbik.rope(positions, x, inv_freq, head_dim), cpu.rope(positions, x, inv_freq.cuda(), head_dim))
 
 
 # ---------------------------------------------------------------- repaudit's digest kernel (for --trace)

@@ -1,5 +1,6 @@
 """tbik log-softmax, RMSNorm, mean, attention and batch-invariant mode on CPU (Triton interpreter)."""
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -48,19 +49,56 @@ def test_log_softmax_other_dim_masked_entries_and_fp32_output():
     assert half.dtype == torch.float32
 
 
+def _eager_rms_norm(x, w, eps, residual=None):
+    """transformers' RMSNorm op by op, with tbik's mean (the engine's tbik mode)."""
+    total = x if residual is None else residual + x
+    h = total.float()
+    return w * (h * torch.rsqrt(tbik.mean_last_dim(h.pow(2), keepdim=True) + eps)).to(x.dtype), total
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rms_norm_batch_invariant_and_hf_semantics(dtype):
+def test_rms_norm_batch_invariant_and_the_eager_ops_bits(dtype):
     x = randn(4, 9, 1500, dtype=dtype, seed=1)
     w = (1 + 0.1 * randn(1500, seed=2)).to(dtype)
     out = tbik.rms_norm(x, w, 1e-6)
     for b in range(4):
         assert_bits_equal(tbik.rms_norm(x[b:b + 1], w, 1e-6), out[b:b + 1])
         assert_bits_equal(tbik.rms_norm(x[b, 3:5], w, 1e-6), out[b, 3:5])
-    xf = x.float()
-    hf = w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
-    assert out.dtype == hf.dtype
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
-    assert (out.float() - hf.float()).abs().max().item() < tol
+    # NumPy's sqrt and division round as torch's CPU rsqrt does, so the interpreter gives the bits too.
+    assert_bits_equal(out, _eager_rms_norm(x, w, 1e-6)[0])
+    res = randn(4, 9, 1500, dtype=dtype, seed=3)
+    normed, total = tbik.rms_norm(x, w, 1e-6, residual=res)
+    want, want_total = _eager_rms_norm(x, w, 1e-6, res)
+    assert_bits_equal(total, want_total)
+    assert_bits_equal(normed, want)
+    qkv = randn(5, 3 * 4 * 128, dtype=dtype, seed=4)
+    q = qkv[:, :512].view(5, 4, 128)  # per-head norm of a fused qkv output: read through its strides
+    assert_bits_equal(tbik.rms_norm(q, w[:128], 1e-6), _eager_rms_norm(q, w[:128], 1e-6)[0])
+
+
+def _bf16(a) -> torch.Tensor:
+    return torch.from_numpy(a).to(torch.bfloat16)
+
+
+def test_silu_and_mul_rounds_as_the_eager_ops():
+    """In the interpreter exp is NumPy's, so the reference is torch's formula on NumPy's exp."""
+    x = (randn(6, 2 * 700) * 8).bfloat16()
+    gate, up = x[:, :700].float().numpy(), x[:, 700:]
+    silu = _bf16(gate / (1.0 + np.exp(-gate)))  # x / (1 + exp(-x)) in fp32, rounded to bf16
+    assert_bits_equal(tbik.silu_and_mul(x), (silu.float() * up.float()).bfloat16())
+
+
+def test_rope_rounds_as_the_eager_ops():
+    head_dim, half = 128, 64
+    inv_freq = 1.0 / (1e6 ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+    positions = torch.tensor([0, 1, 17, 4095, 32000])
+    x = randn(5, 3 * 4 * head_dim, dtype=torch.bfloat16, seed=5)[:, :2 * head_dim]  # 2 heads, strided rows
+    freqs = (inv_freq[None, :] * positions[:, None].float()).numpy()
+    cos, sin = _bf16(np.cos(freqs)).repeat(1, 2)[:, None], _bf16(np.sin(freqs)).repeat(1, 2)[:, None]
+    heads = x.reshape(5, 2, head_dim)
+    rotated = torch.cat((-heads[..., half:], heads[..., :half]), dim=-1)
+    want = ((heads * cos) + (rotated * sin)).reshape(x.shape)
+    assert_bits_equal(tbik.rope(positions, x, inv_freq, head_dim), want)
 
 
 def test_mean_last_dim_batch_invariant():

@@ -2,9 +2,10 @@
 
 Triton kernels whose results do not move with the tensor-parallel size or the batch size:
 the TBIK tree matmul and its per-rank partial, a tree all-reduce, and batch-invariant
-log-softmax, RMSNorm, last-dim mean and causal attention (also over a paged KV cache); plus a
-mode that routes aten's mm/addmm/_log_softmax/mean.dim to them. Depends on torch and triton
-only. See docs/tbik.md.
+log-softmax, RMSNorm, last-dim mean and causal attention (also over a paged KV cache);
+SiLU-and-mul and rotary embedding with the bits of transformers' eager ops in one kernel each;
+plus a mode that routes aten's mm/addmm/_log_softmax/mean.dim to them. Depends on torch and
+triton only. See docs/tbik.md.
 
 The tensors' device picks the backend: the Triton kernels (tbik.tl) on a GPU, a torch backend
 with the same invariance contracts on the CPU (tbik.cpu). Importing tbik imports no triton and patches nothing;
@@ -14,6 +15,7 @@ use_interpreter() runs the Triton kernels in Triton's CPU interpreter instead (k
 from .allreduce import tree_all_reduce, tree_sum
 from .attention import attention, paged_attention
 from .backend import use_interpreter
+from .elementwise import rope, silu_and_mul
 from .matmul import NUM_CHUNKS, SUPPORTED_CHUNKS, matmul_partial, tree_matmul
 from .modes import batch_invariant_mode, disable_batch_invariant_mode, enable_batch_invariant_mode, is_batch_invariant_mode_enabled
 from .norm import mean_last_dim, rms_norm
@@ -32,6 +34,8 @@ __all__ = [
     "mean_last_dim",
     "paged_attention",
     "rms_norm",
+    "rope",
+    "silu_and_mul",
     "tree_all_reduce",
     "tree_matmul",
     "tree_sum",

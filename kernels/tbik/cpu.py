@@ -83,10 +83,31 @@ def mean_last_dim(x: torch.Tensor, keepdim: bool = False, dtype=None) -> torch.T
     return mean.to(out_dtype)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    h = x.float()
-    h = h * torch.rsqrt(mean_last_dim(h * h, keepdim=True) + eps)
-    return weight * h.to(x.dtype)
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    total = x if residual is None else residual + x
+    h = total.float()
+    h = h * torch.rsqrt(mean_last_dim(h.pow(2), keepdim=True) + eps)
+    out = weight * h.to(x.dtype)
+    return out if residual is None else (out, total)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    d = x.shape[-1] // 2
+    return torch.nn.functional.silu(x[..., :d]) * x[..., d:]
+
+
+def rope(positions: torch.Tensor, x: torch.Tensor, inv_freq: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """transformers' Qwen3RotaryEmbedding.forward + apply_rotary_pos_emb, op for op (on a GPU's
+    tensors too: the GPU kernel's reference)."""
+    pos = positions.reshape(1, 1, -1).float()
+    freqs = (inv_freq.to(x.device)[None, :, None].float() @ pos).transpose(1, 2)[0]  # [tokens, head_dim / 2]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos = emb.cos().to(x.dtype)[:, None, :]
+    sin = emb.sin().to(x.dtype)[:, None, :]
+    heads = x.reshape(x.shape[0], -1, head_dim)
+    half = head_dim // 2
+    rotated = torch.cat((-heads[..., half:], heads[..., :half]), dim=-1)
+    return ((heads * cos) + (rotated * sin)).reshape(x.shape)
 
 
 def sigmoid(x: torch.Tensor) -> torch.Tensor:

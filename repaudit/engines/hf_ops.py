@@ -31,12 +31,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """LlamaRMSNorm / Qwen3RMSNorm.forward, with the last-dim mean tbik's (as aten::mean.dim is
-    under the override)."""
-    dtype = x.dtype
-    h = x.to(torch.float32)
-    variance = tbik.mean_last_dim(h.pow(2), keepdim=True)
-    h = h * torch.rsqrt(variance + eps)
-    return weight * h.to(dtype)
+    under the override): tbik.rms_norm gives those eager ops' bits in one kernel."""
+    return tbik.rms_norm(x, weight, eps)
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
@@ -46,15 +42,13 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     vLLM fuses the two and normalises the fp32 sum; transformers adds in the model dtype and
     normalises the rounded sum. Returns (normed, new residual) as vLLM's layer expects.
     """
-    total = residual + x
-    return rms_norm(total, weight, eps), total
+    return tbik.rms_norm(x, weight, eps, residual=residual)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """The MLP's act_fn(gate_proj(x)) * up_proj(x) on vLLM's fused [gate | up] output: two
-    roundings to the model dtype, where a fused kernel would round once."""
-    d = x.shape[-1] // 2
-    return torch.nn.functional.silu(x[..., :d]) * x[..., d:]
+    roundings to the model dtype, where vLLM's fused kernel would round once."""
+    return tbik.silu_and_mul(x)
 
 
 def inv_freq(base: float, dim: int) -> torch.Tensor:
@@ -63,32 +57,16 @@ def inv_freq(base: float, dim: int) -> torch.Tensor:
     return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float, device="cpu") / dim))
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 def rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, inv_freq: torch.Tensor,
          head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Qwen3RotaryEmbedding.forward + apply_rotary_pos_emb on flat [tokens, heads * head_dim],
     default RoPE (whose attention scaling is 1: a multiplication that changes no bit).
 
-    cos and sin are computed from the positions on the fly in fp32 (the same batched matmul
-    with K = 1, cos, sin), cast to the model dtype, and applied as
-    q * cos + rotate_half(q) * sin, each product rounded: vLLM's cached table and fused kernel
-    round elsewhere.
+    cos and sin are computed from the positions on the fly in fp32, cast to the model dtype,
+    and applied as q * cos + rotate_half(q) * sin, each product rounded (tbik.rope): vLLM's
+    cached table and fused kernel round elsewhere.
     """
-    pos = positions.reshape(1, 1, -1).float()
-    freqs = (inv_freq.to(q.device)[None, :, None].float() @ pos).transpose(1, 2)[0]  # [tokens, dim/2]
-    emb = torch.cat((freqs, freqs), dim=-1)
-    cos = emb.cos().to(q.dtype)[:, None, :]
-    sin = emb.sin().to(q.dtype)[:, None, :]
-
-    def apply(x: torch.Tensor) -> torch.Tensor:
-        heads = x.reshape(x.shape[0], -1, head_dim)
-        return ((heads * cos) + (_rotate_half(heads) * sin)).reshape(x.shape)
-
-    return apply(q), apply(k)
+    return tbik.rope(positions, q, inv_freq, head_dim), tbik.rope(positions, k, inv_freq, head_dim)
 
 
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,

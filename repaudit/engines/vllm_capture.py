@@ -119,6 +119,26 @@ class CaptureWorker:
         return pack(steps)
 
 
+    def repaudit_profile_begin(self) -> None:
+        """torch.profiler over this worker's CUDA kernels, CUDA-graph replays included, until
+        repaudit_profile_end (benchmarks/vllm_speed.py --profile: where a step's GPU time goes)."""
+        import torch
+
+        self._repaudit_profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+        self._repaudit_profiler.__enter__()
+
+    def repaudit_profile_end(self) -> list[dict]:
+        """This worker's kernels, most GPU time first: name, launches, total microseconds."""
+        import torch
+
+        prof, self._repaudit_profiler = self._repaudit_profiler, None
+        torch.cuda.synchronize()
+        prof.__exit__(None, None, None)
+        kernels = [{"name": e.key, "count": e.count, "us": e.self_device_time_total}
+                   for e in prof.key_averages() if e.self_device_time_total > 0]
+        return sorted(kernels, key=lambda k: -k["us"])
+
+
 def installed(llm) -> bool:
     """Whether this LLM's workers carry CaptureWorker (--vllm-arg worker_extension_cls can take it away)."""
     return llm.llm_engine.vllm_config.parallel_config.worker_extension_cls == EXTENSION

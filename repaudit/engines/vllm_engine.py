@@ -11,8 +11,8 @@ through the environment, set before vLLM is imported:
          runs every op of the model as the transformers engine's tbik mode runs it (hf_ops.py):
          the rollout's bits are the trainer's. vLLM's own batch-invariant mode is off (the
          plugin replaces every op it would touch); attention is tbik's over the paged KV cache
-         on the flash-attention backend, between piecewise CUDA graphs. Llama/Qwen3-style
-         decoders only (check_tbik_model).
+         on the flash-attention backend, inside vLLM's CUDA graphs as it ships them.
+         Llama/Qwen3-style decoders only (check_tbik_model).
 
 Logprobs are vLLM's raw ones (`logprobs_mode="raw_logprobs"`: log-softmax of the model's
 logits before any sampling processor), the float32 values vLLM's kernel computed. A generate
@@ -68,10 +68,10 @@ KERNEL_ENV = {
     "tbik": {"VLLM_BATCH_INVARIANT": "0", "REPAUDIT_VLLM_TBIK": "1"},
 }
 # What a tbik cell changes in vLLM's engine arguments, and why: the plugin's attention replaces
-# flash-attention's kernel (so that backend, whatever vLLM would pick), and it reads the batch's
-# lengths on the host, so it runs between vLLM's piecewise CUDA graphs instead of inside a
-# full-decode graph.
-TBIK_ENGINE_ARGS = {"attention_backend": "FLASH_ATTN", "compilation_config": {"cudagraph_mode": "PIECEWISE"}}
+# flash-attention's kernel (so that backend, whatever vLLM would pick). CUDA graphs stay vLLM's
+# (full graphs for decode-only steps, piecewise ones around attention otherwise): the kernel's
+# grid comes from the step's request count and longest query, which a decode graph fixes.
+TBIK_ENGINE_ARGS = {"attention_backend": "FLASH_ATTN"}
 # What each scenario changes in vLLM's engine arguments (docs/vllm.md, "Scenarios", says why):
 # one serving feature at a time, against the cold cell that has none of them.
 SCENARIO_ARGS: dict[str, dict[str, Any]] = {

@@ -18,10 +18,12 @@ A tbik cell computes what the transformers engine computes in its tbik mode, op 
   order: one ULP apart on about one logprob in six).
 
 The layer ops enter vLLM's graph as torch custom ops, so torch.compile treats them as opaque
-calls and CUDA graphs capture their kernels. Attention reads host-side lengths, so a tbik cell
-runs vLLM's piecewise CUDA graphs (attention between the captured pieces, as in vLLM's own
-piecewise mode); vllm_engine.engine_args sets that, and the flash-attention backend this file
-patches. A layer this plugin cannot reproduce raises, naming it, instead of running stock.
+calls and CUDA graphs capture their kernels. The attention kernel's grid comes from the step's
+request count and longest query, read on the host: vLLM's full decode graphs fix both (a request
+padded into one writes only its own rows), and its piecewise graphs
+run attention between the pieces. vllm_engine.engine_args picks the flash-attention backend
+this file patches. A layer this plugin cannot reproduce raises, naming it, instead of running
+stock.
 """
 
 # No `from __future__ import annotations` here: torch.library.custom_op reads the type

@@ -13,7 +13,10 @@ position (other queries of its block need them) leave its state exactly untouche
 paged_attention is the same computation over a serving engine's paged KV cache (vLLM's layout):
 queries flat, request after request, keys read through a block table. Both kernels update a
 query's state with one function (_update), key block by key block counted from the sequence's
-first key, so a query gets the same bits from either.
+first key, so a query gets the same bits from either. The paged kernel's tile rows are (query,
+query head) pairs of one key/value head, so a decode step reads each key once per GQA group
+instead of once per query head; a row's arithmetic does not depend on which rows share its tile
+(the property the prefill/decode invariance already rests on).
 """
 
 from __future__ import annotations
@@ -98,36 +101,42 @@ def _attention_kernel(
 def _paged_attention_kernel(
     q_ptr, kc_ptr, vc_ptr, o_ptr, qsl_ptr, seq_lens_ptr, table_ptr,
     sq_t, sq_h, sq_d, sk_blk, sk_s, sk_h, sk_d, sv_blk, sv_s, sv_h, sv_d, so_t, so_h, so_d, s_table,
-    Hq, group, block_size, qk_scale,
+    Hkv, group, block_size, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
+    # One program: one request, one key/value head, BLOCK_M rows of (query, query head) pairs,
+    # query-major: the `group` query heads that share the key/value head sit in adjacent rows.
+    # A decode step's query thus reads its keys and values once for the whole group, not once
+    # per query head; each row's arithmetic is the same whoever shares its tile.
     pid_m = tl.program_id(0)
     pid_rh = tl.program_id(1)
-    r = pid_rh // Hq
-    h = pid_rh % Hq
-    hk = h // group
+    r = pid_rh // Hkv
+    hk = pid_rh % Hkv
     q_first = tl.load(qsl_ptr + r).to(tl.int64)
     q_len = (tl.load(qsl_ptr + r + 1) - q_first).to(tl.int32)
-    if pid_m * BLOCK_M >= q_len:
+    if pid_m * BLOCK_M >= q_len * group:
         return
     seq_len = tl.load(seq_lens_ptr + r).to(tl.int32)
 
     # Positions are counted from the sequence's first key (the other kernel's start[b] is 0
     # here): the request's new tokens are its last q_len positions.
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    qi = offs_r // group
+    h = hk * group + offs_r % group
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
-    q_pos = seq_len - q_len + offs_m
-    rows = (q_first + offs_m)[:, None]
-    q = tl.load(q_ptr + rows * sq_t + h * sq_h + offs_d[None, :] * sq_d,
-                mask=(offs_m < q_len)[:, None] & d_mask[None, :], other=0.0)
+    q_pos = seq_len - q_len + qi
+    row_mask = (qi < q_len)[:, None] & d_mask[None, :]
+    q = tl.load(q_ptr + (q_first + qi)[:, None] * sq_t + h[:, None] * sq_h + offs_d[None, :] * sq_d,
+                mask=row_mask, other=0.0)
     table = table_ptr + r.to(tl.int64) * s_table
 
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
-    end = tl.minimum(seq_len - q_len + (pid_m + 1) * BLOCK_M, seq_len)
+    last_q = ((pid_m + 1) * BLOCK_M - 1) // group  # the block's last query (or past the request's)
+    end = tl.minimum(seq_len - q_len + last_q + 1, seq_len)
     for kb in range(0, end, BLOCK_N):
         offs_n = kb + tl.arange(0, BLOCK_N)
         in_range = offs_n < seq_len
@@ -140,8 +149,8 @@ def _paged_attention_kernel(
                     mask=in_range[:, None] & d_mask[None, :], other=0.0)
         m_i, l_i, acc = _update(q, k, v, offs_n, in_range, kb, q_pos, m_i, l_i, acc, qk_scale, PRECISION)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    tl.store(o_ptr + rows * so_t + h * so_h + offs_d[None, :] * so_d, out.to(o_ptr.dtype.element_ty),
-             mask=(offs_m < q_len)[:, None] & d_mask[None, :])
+    tl.store(o_ptr + (q_first + qi)[:, None] * so_t + h[:, None] * so_h + offs_d[None, :] * so_d,
+             out.to(o_ptr.dtype.element_ty), mask=row_mask)
 
 
 _launch = CachedKernel(_attention_kernel)
@@ -172,9 +181,10 @@ def paged_attention(query, key_cache, value_cache, query_start_loc, seq_lens, bl
                     scale: float, out: torch.Tensor) -> torch.Tensor:
     n_req, hq, dim = seq_lens.shape[0], query.shape[1], query.shape[2]
     hkv, block_size = key_cache.shape[2], key_cache.shape[1]
-    grid = (triton.cdiv(max_query_len, _BLOCK_M), n_req * hq)
+    group = hq // hkv
+    grid = (triton.cdiv(max_query_len * group, _BLOCK_M), n_req * hkv)
     args = (query, key_cache, value_cache, out, query_start_loc.contiguous(), seq_lens.contiguous(),
             block_table, *query.stride(), *key_cache.stride(), *value_cache.stride(), *out.stride(),
-            block_table.stride(0), hq, hq // hkv, block_size, float(scale * _LOG2E))
+            block_table.stride(0), hkv, group, block_size, float(scale * _LOG2E))
     _launch_paged(grid, args, _meta(query, dim))
     return out

@@ -1,4 +1,4 @@
-"""Three fixes that keep Triton 3.6's CPU interpreter (TRITON_INTERPRET=1) usable for these kernels.
+"""Four fixes that keep Triton 3.6's CPU interpreter (TRITON_INTERPRET=1) usable for these kernels.
 
 1. The interpreter holds every scalar as a one-element array and turns it into a Python int
    with int(array) wherever a loop bound needs one; NumPy 2.4 made that an error for arrays of
@@ -9,7 +9,9 @@
    be batch-invariant there); the dot here sums the K products of a tile in index order,
    the same for every row and column, then adds the accumulator, as one MMA tile step does.
 3. Its fp32 -> bf16 cast truncates; GPUs and torch round to nearest even, so it does too.
-backend.use_interpreter() applies them (nothing is patched otherwise); each fix is applied once.
+4. The CUDA math library's functions (libdevice) cannot run in it: exp, cos and sin become
+   NumPy's while it is on (standard_library, with triton.language's own helpers).
+backend.use_interpreter() applies them (nothing is patched otherwise); fixes 1-3 are applied once.
 """
 
 def apply() -> None:
@@ -80,6 +82,7 @@ def standard_library(interpreted: bool) -> None:
     from triton.runtime.interpreter import InterpretedFunction
     from triton.runtime.jit import JITFunction
 
+    _libdevice(interpreted)
     if interpreted:
         for name, value in list(vars(standard).items()):
             if isinstance(value, JITFunction):
@@ -94,3 +97,24 @@ def standard_library(interpreted: bool) -> None:
                 setattr(tl, name, value)
             setattr(standard, name, value)
         _compiled.clear()
+
+
+_LIBDEVICE = ("exp", "cos", "sin")
+_libdevice_compiled: dict[str, object] = {}
+
+
+def _libdevice(interpreted: bool) -> None:
+    """The CUDA math library's exp, cos and sin (tl/elementwise.py calls them for torch's bits)
+    have no interpreter implementation; interpreted, they are tl.exp, tl.cos and tl.sin (NumPy's),
+    looked up at each call, after the interpreter has patched triton.language."""
+    import triton.language as tl
+    from triton.language.extra.cuda import libdevice
+
+    if interpreted and not _libdevice_compiled:
+        for name in _LIBDEVICE:
+            _libdevice_compiled[name] = getattr(libdevice, name)
+            setattr(libdevice, name, lambda x, _name=name, **_: getattr(tl, _name)(x))
+    elif not interpreted:
+        for name, fn in _libdevice_compiled.items():
+            setattr(libdevice, name, fn)
+        _libdevice_compiled.clear()

@@ -1,8 +1,17 @@
 """Batch-invariant RMSNorm and last-dim mean.
 
 One program per row, and the row is reduced in a fixed loop of BLOCK-wide slices into a
-vector accumulator, then one in-register tree: the order depends on the row length alone, not
-on how many rows there are (stock reductions pick their split from the whole tensor's shape).
+vector accumulator, then a halving tree over the lanes (_halving_sum): the order depends on
+the row length alone, not on how many rows there are (stock reductions pick their split from
+the whole tensor's shape), nor on the layout Triton gives the accumulator.
+
+The RMSNorm kernel gives, in one pass, the bits of the eager op sequence of transformers'
+Llama/Qwen RMSNorm with this file's mean: `h = x.float(); h.pow(2)`, the mean, `+ eps`,
+`torch.rsqrt`, `h * r`, `.to(x.dtype)`, `weight * `; with a residual, the decoder's
+`residual + x` rounded to x's dtype first. Each step rounds where the eager op rounds: the
+kernel is compiled without FMA contraction (eager ops never fuse a product into a sum), its
+rsqrt is the GPU's approximate one as torch's CUDA rsqrt is, and its products of two bf16
+values are taken in fp32 (exact) and rounded once, as torch does.
 """
 
 from __future__ import annotations
@@ -22,40 +31,57 @@ def _block(n_cols: int) -> int:
 
 
 @triton.jit
-def _row_sum(row_ptr, n_cols, SQUARE: tl.constexpr, ACC: tl.constexpr, BLOCK: tl.constexpr):
-    acc = tl.zeros((BLOCK,), dtype=ACC)
-    for start in range(0, n_cols, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        x = tl.load(row_ptr + cols, mask=cols < n_cols, other=0.0).to(ACC)
-        if SQUARE:
-            acc += x * x
-        else:
-            acc += x
+def _halving_sum(acc, BLOCK: tl.constexpr):
+    """lanes i and i + w/2 added, halving w from BLOCK to 1. tl.sum's order follows the layout
+    Triton picks for the accumulator (from the loads' dtype and vector width), so two kernels
+    reducing the same numbers through it need not agree; this order is BLOCK's alone."""
+    for level in tl.static_range(BLOCK.bit_length() - 1):
+        acc = tl.sum(tl.reshape(acc, (2, BLOCK >> (level + 1))), axis=0)
     return tl.sum(acc, axis=0)
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, n_cols, stride_x, stride_o, eps, BLOCK: tl.constexpr):
+def _row_sum(row_ptr, n_cols, ACC: tl.constexpr, BLOCK: tl.constexpr):
+    acc = tl.zeros((BLOCK,), dtype=ACC)
+    for start in range(0, n_cols, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        acc += tl.load(row_ptr + cols, mask=cols < n_cols, other=0.0).to(ACC)
+    return _halving_sum(acc, BLOCK)
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, rows_inner, n_cols, stride_xo, stride_xi, stride_r,
+                     stride_o, stride_s, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    # Rows of x may be two-level strided (vLLM's per-head q/k views of a fused qkv output).
     row = tl.program_id(0).to(tl.int64)
-    x_row = x_ptr + row * stride_x
-    mean_sq = _row_sum(x_row, n_cols, True, tl.float32, BLOCK) / n_cols
-    rstd = 1.0 / tl.sqrt_rn(mean_sq + eps)
+    x_row = x_ptr + (row // rows_inner) * stride_xo + (row % rows_inner) * stride_xi
+    dtype = x_ptr.dtype.element_ty
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
     for start in range(0, n_cols, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         mask = cols < n_cols
         x = tl.load(x_row + cols, mask=mask, other=0.0)
-        # HF order: normalise in fp32, round to the input dtype, then multiply by the weight
-        # (a bf16 x bf16 product is computed in fp32 and rounded once, as torch does).
-        y = (x.to(tl.float32) * rstd).to(x_ptr.dtype.element_ty)
+        if HAS_RESIDUAL:
+            res = tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0)
+            x = (res.to(tl.float32) + x.to(tl.float32)).to(dtype)
+            tl.store(sum_ptr + row * stride_s + cols, x, mask=mask)
+        h = x.to(tl.float32)
+        acc += h * h  # the square rounded, then added: h.pow(2), then the mean kernel's loop
+    rstd = tl.math.rsqrt(_halving_sum(acc, BLOCK) / n_cols + eps)
+    src = sum_ptr + row * stride_s if HAS_RESIDUAL else x_row
+    for start in range(0, n_cols, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        y = (tl.load(src + cols, mask=mask, other=0.0).to(tl.float32) * rstd).to(dtype)
         w = tl.load(w_ptr + cols, mask=mask, other=0.0)
-        out = w.to(tl.float32) * y.to(tl.float32)
-        tl.store(out_ptr + row * stride_o + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(out_ptr + row * stride_o + cols, (w.to(tl.float32) * y.to(tl.float32)).to(out_ptr.dtype.element_ty),
+                 mask=mask)
 
 
 @triton.jit
 def _mean_kernel(x_ptr, out_ptr, n_cols, stride_x, ACC: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    total = _row_sum(x_ptr + row * stride_x, n_cols, False, ACC, BLOCK)
+    total = _row_sum(x_ptr + row * stride_x, n_cols, ACC, BLOCK)
     tl.store(out_ptr + row, (total / n_cols).to(out_ptr.dtype.element_ty))
 
 
@@ -68,14 +94,26 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return rows if rows.stride(-1) == 1 else rows.contiguous()
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    rows = _rows(x)
-    out = torch.empty(rows.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
-    if rows.numel():
-        meta = dict(BLOCK=_block(rows.shape[1]), num_warps=4)
-        _rms_norm((rows.shape[0],), (rows, weight.contiguous(), out, rows.shape[1], rows.stride(0), out.stride(0),
-                                     float(eps)), meta)
-    return out.view(x.shape)
+def _row_view(x: torch.Tensor) -> torch.Tensor:
+    """x as [outer, inner, n_cols] with a unit last stride, whose rows the kernel steps two-level:
+    a view where the strides allow it (vLLM's per-head q/k views of a fused qkv output), else a copy."""
+    x3 = x.reshape(-1, x.shape[-2] if x.dim() > 1 else 1, x.shape[-1])
+    return x3 if x3.stride(-1) == 1 else x3.contiguous()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    n_cols = x.shape[-1]
+    rows = _row_view(x)
+    out = torch.empty((*x.shape[:-1], n_cols), dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    total = torch.empty(x.shape, dtype=x.dtype, device=x.device) if residual is not None else out
+    res = residual.reshape(-1, n_cols).contiguous() if residual is not None else rows
+    if out.numel():
+        meta = dict(HAS_RESIDUAL=residual is not None, BLOCK=_block(n_cols), num_warps=4, enable_fp_fusion=False)
+        _rms_norm((out.numel() // n_cols,), (rows, res, weight.contiguous(), out, total, rows.shape[1], n_cols,
+                                             rows.stride(0), rows.stride(1), res.stride(0), n_cols, n_cols,
+                                             float(eps)), meta)
+    return out if residual is None else (out, total)
 
 
 def mean_last_dim(x: torch.Tensor, keepdim: bool, dtype: torch.dtype | None) -> torch.Tensor:

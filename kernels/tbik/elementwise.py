@@ -1,0 +1,43 @@
+"""SiLU-and-mul and rotary embedding with the bits of transformers' eager ops: inputs checked,
+backend picked (tl/elementwise.py says how one kernel keeps the eager chain's roundings).
+
+Unlike the other tbik ops these change no order of summation (there is none to change); they
+exist so that a serving engine can run the training code's arithmetic, rounding for rounding,
+at the cost of one kernel instead of a chain of them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import backend, cpu
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """`silu(x[..., :d]) * x[..., d:]` for x [..., 2d]: an MLP's act_fn(gate) * up on a fused
+    [gate | up] projection, rounded twice to x's dtype as the eager ops round."""
+    if x.shape[-1] % 2:
+        raise ValueError(f"silu_and_mul needs an even last dim ([gate | up]), got {x.shape[-1]}")
+    if backend.on_cpu(x):
+        return cpu.silu_and_mul(x)
+    from .tl import elementwise
+
+    return elementwise.silu_and_mul(x)
+
+
+def rope(positions: torch.Tensor, x: torch.Tensor, inv_freq: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Default (neox-style, full-width) rotary embedding of x [tokens, heads * head_dim] at
+    `positions` [tokens], as transformers computes it: freqs = inv_freq * position in fp32 (its
+    batched matmul with K = 1), cos and sin of them cast to x's dtype, then
+    `x * cos + rotate_half(x) * sin` with each product rounded. inv_freq [head_dim / 2] fp32."""
+    if x.dim() != 2 or x.shape[-1] % head_dim or head_dim % 2:
+        raise ValueError(f"rope needs x [tokens, heads * head_dim] with an even head_dim, got {tuple(x.shape)} "
+                         f"and head_dim {head_dim}")
+    if positions.numel() != x.shape[0] or inv_freq.shape != (head_dim // 2,):
+        raise ValueError(f"rope needs {x.shape[0]} positions and inv_freq [{head_dim // 2}], got "
+                         f"{positions.numel()} and {tuple(inv_freq.shape)}")
+    if backend.on_cpu(x):
+        return cpu.rope(positions, x, inv_freq, head_dim)
+    from .tl import elementwise
+
+    return elementwise.rope(positions, x, inv_freq.to(x.device), head_dim)

@@ -1,0 +1,89 @@
+"""SiLU-and-mul and rotary embedding in one kernel each, with the bits of the eager ops.
+
+A model's eager code runs these as a chain of torch kernels, each rounding its output to the
+model dtype: `silu(gate) * up` is two roundings, and transformers' rotary embedding is a
+matmul, a cat, cos and sin, casts, products and a sum. Here each runs as one kernel that rounds
+where the eager chain rounds, so a serving engine gets the training code's bits without the
+chain's launches and memory traffic. What keeps the bits:
+- compiled without FMA contraction (no eager op fuses a product into a sum);
+- exp, cos and sin are the CUDA math library's (libdevice), as torch's CUDA kernels call them,
+  and silu's division is IEEE-rounded (div_rn), as torch's is; Triton's own exp and `/` are
+  faster approximations;
+- a product or sum of two bf16 values is taken in fp32 and rounded to bf16, as torch does.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import libdevice
+
+from .launcher import CachedKernel
+
+_BLOCK = 1024
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, d, stride_x, stride_o, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < d
+    dtype = out_ptr.dtype.element_ty
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * stride_x + d + cols, mask=mask, other=0.0).to(tl.float32)
+    silu = tl.math.div_rn(gate, 1.0 + libdevice.exp(-gate)).to(dtype)  # torch's silu: x / (1 + exp(-x))
+    tl.store(out_ptr + row * stride_o + cols, (silu.to(tl.float32) * up).to(dtype), mask=mask)
+
+
+@triton.jit
+def _rope_kernel(pos_ptr, inv_freq_ptr, x_ptr, out_ptr, heads, stride_x, stride_o, HALF: tl.constexpr,
+                 BLOCK: tl.constexpr):
+    # One token, every head of one tensor (q or k): x [tokens, heads * 2 * HALF].
+    row = tl.program_id(0).to(tl.int64)
+    j = tl.arange(0, BLOCK)
+    mask = j < HALF
+    dtype = out_ptr.dtype.element_ty
+    freq = tl.load(inv_freq_ptr + j, mask=mask, other=0.0) * tl.load(pos_ptr + row).to(tl.float32)
+    cos = libdevice.cos(freq).to(dtype).to(tl.float32)
+    sin = libdevice.sin(freq).to(dtype).to(tl.float32)
+    for h in range(heads):
+        base = h * 2 * HALF
+        x1 = tl.load(x_ptr + row * stride_x + base + j, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(x_ptr + row * stride_x + base + HALF + j, mask=mask, other=0.0).to(tl.float32)
+        # x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1): each product rounded, then the sum
+        lo = (x1 * cos).to(dtype).to(tl.float32) + (-x2 * sin).to(dtype).to(tl.float32)
+        hi = (x2 * cos).to(dtype).to(tl.float32) + (x1 * sin).to(dtype).to(tl.float32)
+        tl.store(out_ptr + row * stride_o + base + j, lo.to(dtype), mask=mask)
+        tl.store(out_ptr + row * stride_o + base + HALF + j, hi.to(dtype), mask=mask)
+
+
+_silu_and_mul = CachedKernel(_silu_and_mul_kernel)
+_rope = CachedKernel(_rope_kernel)
+_EXACT = dict(num_warps=4, enable_fp_fusion=False)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    d = x.shape[-1] // 2
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out = torch.empty((rows.shape[0], d), dtype=x.dtype, device=x.device)
+    if out.numel():
+        block = min(_BLOCK, triton.next_power_of_2(d))
+        _silu_and_mul((rows.shape[0], triton.cdiv(d, block)), (rows, out, d, rows.stride(0), out.stride(0)),
+                      dict(BLOCK=block, **_EXACT))
+    return out.view(*x.shape[:-1], d)
+
+
+def rope(positions: torch.Tensor, x: torch.Tensor, inv_freq: torch.Tensor, head_dim: int) -> torch.Tensor:
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
+    if out.numel():
+        half = head_dim // 2
+        _rope((rows.shape[0],), (positions.reshape(-1), inv_freq.float().contiguous(), rows, out,
+                                 rows.shape[1] // head_dim, rows.stride(0), out.stride(0)),
+              dict(HALF=half, BLOCK=max(16, triton.next_power_of_2(half)), **_EXACT))
+    return out.view(x.shape)
