@@ -13,7 +13,7 @@ CUDA_VISIBLE_DEVICES=0 timeout 240 python3 -m pytest -q -p no:cacheprovider -o a
   tests/test_tbik_gpu.py tests/test_hf_ops.py > "$OUT/pytest-gpu.log" 2>&1; echo "exit $?" >> "$OUT/pytest-gpu.log"
 tail -n 15 "$OUT/pytest-gpu.log"
 step "vLLM stock,tbik TP=2: speed and profile"
-timeout 300 python3 benchmarks/vllm_speed.py --model "$MODEL" --tp 2 --kernels stock,tbik --runs 3 \
+timeout 420 python3 benchmarks/vllm_speed.py --model "$MODEL" --tp 2 --kernels stock,tbik --runs 3 \
   --json "$OUT/vllm_speed.json" --profile "$OUT" > "$OUT/speed-tp2.log" 2>&1
 echo "exit $?" >> "$OUT/speed-tp2.log"
 grep -E "profile \(|^\[(stock|tbik)\]   |run:|== |^exit" "$OUT/speed-tp2.log" | head -60
