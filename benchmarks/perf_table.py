@@ -44,8 +44,9 @@ def rows() -> list[list[str]]:
                             f"{_tok(v['plain_tok_s'])} tok/s)", r["device"], f"{r['command']}; {v['command']}"])
     for r in vllm_rows:
         args = "".join(f", {k}={v}" for k, v in (r.get("vllm_args") or {}).items())
+        note = f" ({r['note']})" if r.get("note") else ""
         out.append([f"vLLM cell / plain `LLM.generate`, {r['kernels']}, TP={r['tp']}, {r['prompts']} prompts x "
-                    f"{r['new_tokens']} new{args}" + (f" ({r['note']})" if r.get("note") else ""),
+                    f"{r['new_tokens']} new{args}" + note,
                     "≥ 0.9x", f"{r['ratio']:.3f}x ({_tok(r['repaudit_tok_s'])} / {_tok(r['plain_tok_s'])} tok/s)",
                     r["device"], r["command"]])
         if "plain_logprobs_tok_s" in r:
@@ -55,12 +56,12 @@ def rows() -> list[list[str]]:
                         f"{_tok(r['plain_logprobs_tok_s'])} tok/s)", r["device"], r["command"]])
         if "ratio_vs_stock" in r:
             out.append([f"vLLM {r['kernels']} cell / plain stock `LLM.generate`, TP={r['tp']}, {r['prompts']} prompts x "
-                        f"{r['new_tokens']} new", "≥ 0.8x at TP=2" if r["kernels"] == "tbik" else "—",
+                        f"{r['new_tokens']} new{args}{note}", "≥ 0.8x at TP=2" if r["kernels"] == "tbik" else "—",
                         f"{r['ratio_vs_stock']:.3f}x ({_tok(r['repaudit_tok_s'])} / {_tok(r['stock_plain_tok_s'])} tok/s)",
                         r["device"], r["command"]])
         if "plain_ratio_vs_stock" in r:
             out.append([f"plain `LLM.generate` with {r['kernels']} / plain stock `LLM.generate`, TP={r['tp']}, "
-                        f"{r['prompts']} prompts x {r['new_tokens']} new", "≥ 0.8x at TP=2" if r["kernels"] == "tbik" else "—",
+                        f"{r['prompts']} prompts x {r['new_tokens']} new{args}{note}", "≥ 0.8x at TP=2" if r["kernels"] == "tbik" else "—",
                         f"{r['plain_ratio_vs_stock']:.3f}x ({_tok(r['plain_tok_s'])} / {_tok(r['stock_plain_tok_s'])} tok/s)",
                         r["device"], r["command"]])
     for r in _load("trace_overhead.json"):
