@@ -142,7 +142,8 @@ def _profile(llm, requests, params, args) -> None:
     for rank, kernels in enumerate(ranks):
         kinds: dict[str, float] = {}
         for k in kernels:
-            kinds[_kind(k["name"])] = kinds.get(_kind(k["name"]), 0.0) + k["us"]
+            kind = _kind(k["name"])
+            kinds[kind] = kinds.get(kind, 0.0) + k["us"]
         summary.append({"rank": rank, "gpu_us": sum(kinds.values()),
                         "by_kind_us": dict(sorted(kinds.items(), key=lambda kv: -kv[1])), "kernels": kernels[:60]})
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)

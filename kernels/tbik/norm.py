@@ -1,5 +1,5 @@
-"""Batch-invariant RMSNorm (with the residual add before it) and last-dim mean: inputs checked, backend picked (tl/norm.py says how
-the kernels reduce a row)."""
+"""Batch-invariant RMSNorm (with the residual add before it) and last-dim mean: inputs checked,
+backend picked (tl/norm.py says how the kernels reduce a row)."""
 
 from __future__ import annotations
 

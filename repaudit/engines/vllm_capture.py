@@ -118,7 +118,6 @@ class CaptureWorker:
             return {"error": broken}
         return pack(steps)
 
-
     def repaudit_profile_begin(self) -> None:
         """torch.profiler over this worker's CUDA kernels, CUDA-graph replays included, until
         repaudit_profile_end (benchmarks/vllm_speed.py --profile: where a step's GPU time goes)."""

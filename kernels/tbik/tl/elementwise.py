@@ -20,6 +20,7 @@ import triton.language as tl
 from triton.language.extra.cuda import libdevice
 
 from .launcher import CachedKernel
+from .norm import _rows
 
 _BLOCK = 1024
 
@@ -65,9 +66,7 @@ _EXACT = dict(num_warps=4, enable_fp_fusion=False)
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     d = x.shape[-1] // 2
-    rows = x.reshape(-1, x.shape[-1])
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
+    rows = _rows(x)
     out = torch.empty((rows.shape[0], d), dtype=x.dtype, device=x.device)
     if out.numel():
         block = min(_BLOCK, triton.next_power_of_2(d))
@@ -77,9 +76,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 def rope(positions: torch.Tensor, x: torch.Tensor, inv_freq: torch.Tensor, head_dim: int) -> torch.Tensor:
-    rows = x.reshape(-1, x.shape[-1])
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
+    rows = _rows(x)
     out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
     if out.numel():
         half = head_dim // 2
