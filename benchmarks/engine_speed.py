@@ -172,12 +172,18 @@ def main() -> None:
                     if args.no_baseline:
                         base = None
                     b_runs, m_runs = [], []
-                    for i in range(args.runs + 1):  # the first is a warm-up: autotuning, allocator, graph capture
-                        b_run = _timed(base) if base else None
-                        m_run = _timed(mine)
-                        if i:
-                            b_runs.append(b_run)
-                            m_runs.append(m_run)
+                    try:
+                        for i in range(args.runs + 1):  # the first is a warm-up: autotuning, allocator, graph capture
+                            b_run = _timed(base) if base else None
+                            m_run = _timed(mine)
+                            if i:
+                                b_runs.append(b_run)
+                                m_runs.append(m_run)
+                    except torch.OutOfMemoryError as err:  # this batch size does not fit: the next rows still run
+                        if rank == 0:
+                            print(f"out of memory: {kernels} {mode} batch {bs}: {str(err).splitlines()[0]}", flush=True)
+                        torch.cuda.empty_cache()
+                        continue
                     tok_s = lambda runs: statistics.median(n / s for s, n in runs)  # noqa: E731
                     row = {"device": device, "engine": "hf", "kernels": kernels, "mode": mode, "tp": args.tp, "batch": bs,
                            "workload": workload,

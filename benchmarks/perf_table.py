@@ -65,7 +65,8 @@ def rows() -> list[list[str]]:
                         f"{r['plain_ratio_vs_stock']:.3f}x ({_tok(r['plain_tok_s'])} / {_tok(r['stock_plain_tok_s'])} tok/s)",
                         r["device"], r["command"]])
     for r in _load("trace_overhead.json"):
-        out.append([f"`--trace` overhead, {r['mode']}, {r['model']}, `{r['probes']}` suite, batch {r['batch']}",
+        note = f" ({r['note']})" if r.get("note") else ""
+        out.append([f"`--trace` overhead, {r['mode']}, {r['model']}, `{r['probes']}` suite, batch {r['batch']}{note}",
                     "≤ 2x (CPU), ≤ 1.5x (GPU)", f"{r['ratio']:.3f}x ({r['traced_s']:.2f} s / {r['untraced_s']:.2f} s)",
                     r["device"], r["command"]])
     out += _kernel_rows()

@@ -42,6 +42,8 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--profile", action="store_true", help="then print cProfile's most expensive calls of one traced cell per mode")
+    ap.add_argument("--gpu-profile", help="then write torch.profiler's kernel table of one traced and one untraced "
+                    "cell per mode to this file")
     ap.add_argument("--json", help="merge the rows into this JSON list (rows of the same device and batch are replaced)")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -92,6 +94,16 @@ def main() -> None:
                      "command": " ".join(["python3 benchmarks/trace_bench.py", *sys.argv[1:]])})
         if args.json:  # after every mode: a run cut short keeps what it measured
             _write(Path(args.json), device, args, rows)
+    if args.gpu_profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        with open(args.gpu_profile, "w") as f:
+            for mode in ("score", "generate"):
+                for traced in (False, True):
+                    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                        cell(mode, traced)
+                    f.write(f"\n## {mode}, {'traced' if traced else 'untraced'}\n")
+                    f.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70))
     if args.profile:
         for mode in ("score", "generate"):
             prof = cProfile.Profile()

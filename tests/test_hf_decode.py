@@ -327,11 +327,11 @@ def test_traced_graph_replays_give_the_eager_steps_trace(tiny, monkeypatch):
             step = made[-1]
             mark = step.tracer.mark()
             new = step.forward(*step.inputs)
-            taken = step.tracer.take_since(mark)
-            for (_, *mine), (_, *now) in zip(step.traced, taken, strict=True):
-                for buf, value in zip(mine, now):
-                    if buf is not None:
-                        buf.copy_(value)
+            now = step.tracer.pack(step.tracer.take_since(mark))
+            assert now.layout.calls == step.traced.layout.calls
+            for name in ("digests", "samples", "experts"):
+                if getattr(now, name) is not None:
+                    getattr(step.traced, name).copy_(getattr(now, name))
             for k, v in new.items():
                 step.outputs[k].copy_(v)
 

@@ -363,3 +363,42 @@ def test_a_run_summary_carries_the_price_list(matrix_run: Path):
     (stock,) = summary["price"]
     assert stock["kernels"] == "stock" and stock["compared"] == 6 and stock["speed_vs_stock"] == 1.0
     assert "| stock | " in (matrix_run / "summary.md").read_text()
+
+
+def test_a_fork_with_equal_bits_before_it_is_a_divergence_in_the_summary(matrix_run: Path, tmp_path: Path):
+    """A generate cell equal to its reference but for the first generated token of one prompt: its
+    logprob bits never differ at a shared token, yet the prompt diverged at that position. The
+    summary counts and places it as gate and the report do."""
+    import shutil
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from repaudit.diff import Thresholds
+    from repaudit.compare.gate import gate_run, load_run
+    from repaudit.compare.summary import summarize, summary_markdown
+    from repaudit.run.rundir import Manifest
+
+    run_dir = tmp_path / "fork"
+    shutil.copytree(matrix_run, run_dir)
+    ref = pq.read_table(cell_path(run_dir, "hf-tp1-bs1-default-stock-generate"))
+    cell = cell_path(run_dir, "hf-tp1-bs4-default-stock-generate")
+    tokens = ref.column("token_id").to_numpy().copy()
+    pids = ref.column("prompt_id").to_pylist()
+    victim = pids[0]
+    first = pids.index(victim)
+    tokens[first] = (tokens[first] + 1) % 100
+    forked = ref.set_column(ref.schema.get_field_index("token_id"), "token_id", pa.array(tokens, pa.int32()))
+    pq.write_table(forked.replace_schema_metadata(pq.read_schema(cell).metadata), cell)
+    pos = int(ref.column("pos").to_numpy()[first])
+
+    run = load_run(run_dir)
+    pair = next(p for p in gate_run(run, Thresholds()).pairs if p.cell == "hf-tp1-bs4-default-stock-generate")
+    diverged = [d for d in pair.result.shared_prompts if not d.bitwise_match]
+    assert [(d.prompt_id, d.first_token_divergence, d.first_logprob_divergence) for d in diverged] == [(victim, pos, None)]
+    summary = summarize(run.plan, run_dir, Manifest.load_or_new(run_dir), Thresholds())
+    row = next(r for r in summary["cells"] if r["cell"] == "hf-tp1-bs4-default-stock-generate")
+    assert row["first_logprob_divergence_min"] is None and row["first_token_divergence_min"] == pos
+    assert row["first_divergence_min"] == pos and row["prompts_diverged"] == 1 and row["prompts"] == 4
+    line = next(x for x in summary_markdown(summary).splitlines() if x.startswith("| hf-tp1-bs4-default-stock-generate"))
+    assert f"pos {pos} (1/4 prompts)" in line

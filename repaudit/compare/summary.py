@@ -46,6 +46,10 @@ def summarize(plan: Plan, run_dir: Path, manifest: Manifest, thresholds: Thresho
             r = p.result
             first = [d.first_logprob_divergence for d in r.shared_prompts if d.first_logprob_divergence is not None]
             first_tok = [d.first_token_divergence for d in r.shared_prompts if d.first_token_divergence is not None]
+            # A prompt diverges where its tokens fork or its logprob bits first differ, whichever
+            # is earlier (as gate and the report count it): a fork with equal bits before it counts.
+            earliest = [min(x for x in (d.first_token_divergence, d.first_logprob_divergence) if x is not None)
+                        for d in r.shared_prompts if not d.bitwise_match]
             row.update({
                 "compared": r.comparable, "bitwise_equal": r.bitwise_equal, "bitwise_equal_rate": r.bitwise_equal_rate,
                 "digest_equal_rate": r.digest_equal_rate, "ulp_max": r.ulp_max, "abs_max": json_float(r.abs_max),
@@ -53,7 +57,8 @@ def summarize(plan: Plan, run_dir: Path, manifest: Manifest, thresholds: Thresho
                 "seq_bitwise_match_rate": r.seq_bitwise_match_rate, "top1_agreement": r.top1_agreement,
                 "first_logprob_divergence_min": min(first) if first else None,
                 "first_token_divergence_min": min(first_tok) if first_tok else None,
-                "prompts_diverged": len(first), "prompts": len(r.shared_prompts),
+                "first_divergence_min": min(earliest) if earliest else None,
+                "prompts_diverged": len(earliest), "prompts": len(r.shared_prompts),
                 "seq_token_matches": sum(d.token_match for d in r.shared_prompts),
             })
         rows.append(row)
@@ -156,7 +161,7 @@ def table_rows(summary: dict[str, Any]) -> list[list[str]]:
     out = []
     for r in summary["cells"]:
         is_ref = r["cell"] == r["reference"]
-        first = r.get("first_logprob_divergence_min")
+        first = r.get("first_divergence_min")
         out.append([
             r["cell"], "(reference)" if is_ref else r["reference"], r["status"] or "—",
             "—" if is_ref else _bitwise(r),
@@ -196,7 +201,7 @@ def print_summary(summary: dict[str, Any], console: Console) -> None:
             t.add_column(h, no_wrap=True, justify="left" if h in ("cell", "vs") else "right")
         for r, row in rows:
             vs = "(reference)" if r["cell"] == r["reference"] else r["reference_delta"]
-            first = r.get("first_logprob_divergence_min")
+            first = r.get("first_divergence_min")
             status = "" if r["status"] == "done" else f" [{'yellow' if r['status'] == 'refused' else 'red'}]{r['status'] or 'pending'}[/]"
             t.add_row(_label(r["settings"], varying) + status, vs, row[3], row[4], "—" if first is None else f"pos {first}",
                       row[7], row[8])

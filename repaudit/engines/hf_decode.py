@@ -32,7 +32,7 @@ STATIC_FAMILIES. Anything else decodes eagerly with a dynamic cache.
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -89,11 +89,14 @@ def grouped_key_mirrors(cache: Any, groups: int) -> None:
     if _plain_repeat_kv is None:
         _plain_repeat_kv = sdpa_attention.repeat_kv
         sdpa_attention.repeat_kv = _mirrored_repeat_kv(_plain_repeat_kv)
+    # One answer for the whole cache, from its first layer's tensors: judged layer by layer, the
+    # first layers' copies would take the memory the last layers' prefill needs.
+    whole: dict[str, bool] = {}
     for layer in cache.layers:
         # The layer is held weakly: a cycle through its own attributes would keep the cache, and
         # its copies, alive until the next garbage collection instead of the end of the batch.
         ref = weakref.ref(layer)
-        layer.update = _updating_mirrors(ref, type(layer).update, groups, _plain_repeat_kv)
+        layer.update = _updating_mirrors(ref, type(layer).update, groups, _plain_repeat_kv, whole, len(cache.layers))
         layer.reset = _resetting_mirrors(ref, type(layer).reset)
 
 
@@ -108,18 +111,16 @@ def _resetting_mirrors(ref: Any, reset: Callable) -> Callable:
     return mirrored
 
 
-def _updating_mirrors(ref: Any, update: Callable, groups: int, repeat: Callable) -> Callable:
-    off = []  # set once the layer is found unfit for a copy: repeat_kv then runs as it ships
-
+def _updating_mirrors(ref: Any, update: Callable, groups: int, repeat: Callable, whole: dict[str, bool],
+                      layers: int) -> Callable:
     def mirrored(key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         layer = ref()
         keys, values = update(layer, key_states, value_states, *args, **kwargs)
-        if off:
+        if "fits" not in whole:  # the layers' tensors exist from their first update on
+            whole["fits"] = _fits(keys, values, groups, layers)
+        if not whole["fits"]:  # repeat_kv runs as it ships
             return keys, values
-        if id(keys) not in _MIRRORS:  # the layer's tensors exist from its first update on
-            if not _fits(keys, values, groups):
-                off.append(True)
-                return keys, values
+        if id(keys) not in _MIRRORS:
             for t in (keys, values):  # made from the whole layer, this update's slots included
                 ident = id(t)
                 watch = weakref.ref(t, lambda _, ident=ident: _MIRRORS.pop(ident, None))
@@ -135,14 +136,15 @@ def _updating_mirrors(ref: Any, update: Callable, groups: int, repeat: Callable)
     return mirrored
 
 
-def _fits(keys: torch.Tensor, values: torch.Tensor, groups: int) -> bool:
-    """Plain tensors (not a tensor-parallel DTensor), and on a GPU copies that take at most a
-    quarter of its free memory (a wide model's groups times its cache may not fit)."""
+def _fits(keys: torch.Tensor, values: torch.Tensor, groups: int, layers: int) -> bool:
+    """Plain tensors (not a tensor-parallel DTensor), and on a GPU copies of every layer that take
+    at most a quarter of its free memory (groups times a long batch's cache may not fit: 28 GiB
+    for Qwen3-0.6B at batch 32 over 7,500 slots)."""
     if type(keys) is not torch.Tensor or type(values) is not torch.Tensor:
         return False
     if not keys.is_cuda:
         return True
-    extra = groups * (keys.numel() * keys.element_size() + values.numel() * values.element_size())
+    extra = layers * groups * (keys.numel() * keys.element_size() + values.numel() * values.element_size())
     return extra <= torch.cuda.mem_get_info(keys.device)[0] // 4
 
 
@@ -172,7 +174,7 @@ class GraphedStep:
     forward: Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor], dict[str, torch.Tensor]]
     cache: Any
     tracer: Any = None  # a repaudit.run.trace.Tracer: its hooks' kernels are captured too
-    traced: list = field(default_factory=list)  # the tracer's calls recorded by the capture (Tracer.take_since)
+    traced: Any = None  # the capture's trace, packed by the graph's own kernels (Tracer.pack)
     inputs: tuple[torch.Tensor, ...] = ()  # ids, mask, positions: the graph's fixed buffers
     outputs: dict[str, torch.Tensor] | None = None
     graph: Any = None
@@ -218,15 +220,16 @@ class GraphedStep:
         try:
             with torch.cuda.graph(graph, capture_error_mode=mode):
                 self.outputs = self.forward(*self.inputs)
+                if mark is not None:  # packed inside the graph: a replay's trace is then a few copies
+                    self.traced = self.tracer.pack(self.tracer.take_since(mark))
         except RuntimeError as exc:  # a host sync or an unsupported op inside the step
             self.failed = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             torch.cuda.synchronize()
             _set_cache_lengths(self.cache, lengths)
             if mark is not None:
                 self.tracer.take_since(mark)
+                self.traced = None
             return self.forward(ids, mask, positions)
-        if mark is not None:
-            self.traced = self.tracer.take_since(mark)
         self.graph = graph
         graph.replay()
         return self._outputs()

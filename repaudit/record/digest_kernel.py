@@ -48,13 +48,14 @@ def _digest_rows_kernel(x_ptr, rows_ptr, stride, n_feat, offset, base, mask,
     if SAMPLES > 0:
         s = tl.arange(0, SAMPLES)
         picked = tl.load(row_ptr + tl.load(pick_ptr + s)).to(tl.int64) & mask
-        tl.store(sample_ptr + r * SAMPLES + s, picked * tl.load(owned_ptr + s))
+        tl.store(sample_ptr + r * SAMPLES + s, (picked * tl.load(owned_ptr + s)).to(tl.int32))
 
 
 def digest_rows(x: torch.Tensor, rows: torch.Tensor | None = None, offset: int = 0,
                 pick: torch.Tensor | None = None, owned: torch.Tensor | None = None):
     """Digests of rows `rows` of the 2-D float tensor x -> int64 [n] (uint64 bits), and, with
-    `pick`/`owned`, the int64 bits of x[rows][:, pick] * owned -> [n, len(pick)]."""
+    `pick`/`owned`, the bits of x[rows][:, pick] * owned -> int32 [n, len(pick)] (a float32's
+    bits as they are, a 16-bit float's zero-extended)."""
     view, mask = _INT_VIEW[x.dtype]
     if x.stride(-1) != 1:
         x = x.contiguous()
@@ -63,7 +64,7 @@ def digest_rows(x: torch.Tensor, rows: torch.Tensor | None = None, offset: int =
     n = rows.numel()
     digests = torch.empty(n, dtype=torch.int64, device=x.device)
     samples_n = 0 if pick is None else pick.numel()
-    samples = torch.empty((n, samples_n), dtype=torch.int64, device=x.device)
+    samples = torch.empty((n, samples_n), dtype=torch.int32, device=x.device)
     if n:
         _digest_rows_kernel[(n,)](
             x.view(view), rows, x.stride(0), x.shape[1], offset, _BASE, mask,

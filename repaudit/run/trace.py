@@ -27,7 +27,7 @@ token, the chosen expert ids sorted ascending (the set, not the router's ranking
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
@@ -47,13 +47,39 @@ _BITS = {torch.float32: (torch.int32, 0xFFFFFFFF, "float32"), torch.bfloat16: (t
 
 @dataclass
 class _Calls:
+    """A traced output: a module's, a row-parallel layer's input, or a router's choice."""
     info: ModuleInfo
     pick: torch.Tensor | None = None  # local column of each sampled feature
     owned: torch.Tensor | None = None  # which sampled features this rank holds
-    digests: list[torch.Tensor] = field(default_factory=list)
-    samples: list[torch.Tensor] = field(default_factory=list)
-    keys: list[int] = field(default_factory=list)  # index into Tracer._keys, per call
-    experts: list[torch.Tensor] = field(default_factory=list)  # routing rows: sorted expert ids [rows, k]
+
+
+@dataclass
+class _Entry:
+    """One call recorded in the current forward."""
+    calls: _Calls
+    digests: torch.Tensor  # int64 [rows]
+    samples: torch.Tensor  # int32 [rows, SAMPLES]: each sampled feature's bits (zero-extended)
+    experts: torch.Tensor | None = None  # a router's choice: sorted expert ids, int32 [rows, k]
+
+
+@dataclass
+class _Layout:
+    """Where each call of a forward sits in its block (the same for every replay of a graph).
+    Every call of a forward digests the forward's rows, so call i holds rows [i * rows, (i + 1) * rows)."""
+    calls: list[_Calls]
+    rows: int
+    expert_start: np.ndarray  # per call: its ids' first element in the block's `experts`
+    expert_width: np.ndarray  # per call: k of a router's choice, 0 for any other call
+
+
+@dataclass
+class _Block:
+    """A forward's calls packed into one tensor per column; finish() puts them module by module."""
+    key: int  # index into Tracer._keys
+    layout: _Layout
+    digests: torch.Tensor  # [calls * rows]
+    samples: torch.Tensor  # [calls * rows, SAMPLES]
+    experts: torch.Tensor | None  # int32, the routers' [rows, k] ids laid end to end
 
 
 class Tracer:
@@ -67,6 +93,8 @@ class Tracer:
         self.styles = tp_styles(model)
         self.calls: dict[str, _Calls] = {}
         self._keys: list[tuple[np.ndarray, np.ndarray]] = []
+        self._fwd: list[_Entry] = []  # the current forward's calls
+        self._blocks: list[_Block] = []  # every finished forward's, in the order they ran
         # Decode steps' keys, settled in finish(): key index -> (positions, live rows), on the device.
         self._pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._all_rows: dict[tuple[int, torch.device], torch.Tensor] = {}
@@ -111,43 +139,48 @@ class Tracer:
         self._ctx = ((batch, 1), self._all_rows[key])
 
     def end(self) -> None:
+        if self._fwd:
+            block = self.pack(self._fwd)
+            block.key = len(self._keys) - 1
+            self._blocks.append(block)
+            self._fwd = []
         self._ctx = None
         self._shards.clear()
 
     # ------------------------------------------------------------------ CUDA graphs
-    def mark(self) -> dict[str, int]:
-        """Where every module's recorded calls end now."""
-        return {name: len(c.digests) for name, c in self.calls.items()}
+    def mark(self) -> int:
+        """Where the current forward's recorded calls end now."""
+        return len(self._fwd)
 
-    def take_since(self, mark: dict[str, int]) -> list[tuple[_Calls, torch.Tensor, torch.Tensor, torch.Tensor | None]]:
-        """Remove and return the calls recorded after `mark` (a graph capture's: their tensors
-        are the graph's, rewritten by every replay), in each module's call order."""
-        taken = []
-        for name, c in self.calls.items():
-            n = mark.get(name, 0)
-            for i in range(n, len(c.digests)):
-                taken.append((c, c.digests[i], c.samples[i], c.experts[i] if c.info.routing else None))
-            del c.digests[n:], c.samples[n:], c.keys[n:]
-            if c.info.routing:
-                del c.experts[n:]
+    def take_since(self, mark: int) -> list[_Entry]:
+        """Remove and return the calls recorded after `mark`."""
+        taken = self._fwd[mark:]
+        del self._fwd[mark:]
         return taken
 
-    def replay(self, taken: list[tuple[_Calls, torch.Tensor, torch.Tensor, torch.Tensor | None]]) -> None:
-        """Record a replayed graph's calls (take_since's answer at its capture) for the current
-        forward: copies, since the next replay rewrites them."""
-        if not taken:
+    def pack(self, entries: list[_Entry]) -> _Block | None:
+        """The calls as one block: one tensor per column. Run inside a graph capture (on the
+        capture's calls, take_since's answer), these concatenations are the graph's own kernels,
+        so a replay's trace costs replay(): two or three copies, whatever the model's size."""
+        if not entries:
+            return None
+        rows = entries[0].digests.shape[0]
+        if any(e.digests.shape[0] != rows for e in entries):
+            raise RuntimeError("the calls of one forward digested different rows")
+        width = np.array([0 if e.experts is None else e.experts.shape[1] for e in entries], dtype=np.int64)
+        ids = [e.experts.reshape(-1) for e in entries if e.experts is not None]
+        return _Block(-1, _Layout([e.calls for e in entries], rows, np.cumsum(width * rows) - width * rows, width),
+                      torch.cat([e.digests for e in entries]), torch.cat([e.samples for e in entries]),
+                      torch.cat(ids) if ids else None)
+
+    def replay(self, packed: _Block | None) -> None:
+        """Record a replayed graph's block (pack's answer at its capture) for the current
+        forward: copies, since the next replay rewrites it."""
+        if packed is None:
             return
-        key = len(self._keys) - 1
-        # Two copies for the whole step, not two per module: a step of a 28-layer model would
-        # otherwise launch some 900 small copies after a replay that is itself one launch.
-        digests = torch.cat([d for _, d, _, _ in taken]).split([d.shape[0] for _, d, _, _ in taken])
-        samples = torch.cat([s for _, _, s, _ in taken]).split([s.shape[0] for _, _, s, _ in taken])
-        for (calls, _, _, experts), d, s in zip(taken, digests, samples):
-            calls.digests.append(d)
-            calls.samples.append(s)
-            calls.keys.append(key)
-            if experts is not None:
-                calls.experts.append(experts.clone())
+        experts = packed.experts.clone() if packed.experts is not None else None
+        self._blocks.append(_Block(len(self._keys) - 1, packed.layout, packed.digests.clone(), packed.samples.clone(),
+                                   experts))
 
     # ------------------------------------------------------------------ hooks
     def _hook(self, name: str):
@@ -171,12 +204,12 @@ class Tracer:
             ids = ids[:, None] if ids.dim() == 1 else ids  # top-1 routers may hand over [tokens]
             chosen = ids.reshape(-1, ids.shape[-1]).sort(dim=-1).values.to(torch.int32)  # [tokens, k]
             # The ids' bits go through the float digest path unchanged (a view, no arithmetic).
-            calls = self._record(f"{name}:routing", chosen.view(torch.float32), [], routing=True)
-            if calls is not None:
-                calls.experts.append(chosen[self._ctx[1]])
+            entry = self._record(f"{name}:routing", chosen.view(torch.float32), [], routing=True)
+            if entry is not None:
+                entry.experts = chosen[self._ctx[1]]
         return hook
 
-    def _record(self, name: str, out: Any, inputs: list[Any], routing: bool = False) -> _Calls | None:
+    def _record(self, name: str, out: Any, inputs: list[Any], routing: bool = False) -> _Entry | None:
         if self._ctx is None or not isinstance(out, torch.Tensor) or out.dtype not in _BITS:
             return None
         (batch, length), rows = self._ctx
@@ -209,11 +242,10 @@ class Tracer:
             flat = whole[rows]
             view, mask, _ = _BITS[flat.dtype]
             digests = row_digest(flat, rows_per_chunk=1 << 16, offset=offset)
-            samples = (flat[:, calls.pick].contiguous().view(view).to(torch.int64) & mask) * calls.owned
-        calls.digests.append(digests)
-        calls.samples.append(samples)
-        calls.keys.append(len(self._keys) - 1)
-        return calls
+            samples = ((flat[:, calls.pick].contiguous().view(view).to(torch.int64) & mask) * calls.owned).to(torch.int32)
+        entry = _Entry(calls, digests, samples)
+        self._fwd.append(entry)
+        return entry
 
     def _classify(self, name: str, flat: torch.Tensor, inputs: list[Any], routing: bool = False) -> ModuleInfo:
         base, _, port = name.partition(":")
@@ -237,40 +269,48 @@ class Tracer:
 
     # ------------------------------------------------------------------ results
     def finish(self) -> tuple[pa.Table, list[ModuleInfo]] | None:
-        """Combine shards across ranks (every rank must call this); rank 0 gets the table."""
-        self._settle()
+        """Combine shards across ranks (every rank must call this); rank 0 gets the table.
+
+        Rows go module by module in execution order, each module's rows in the order of its
+        calls: a trace holds tokens x modules rows, tens of millions for a suite of long prompts,
+        and no reader needs another order (locate joins on keys). The blocks are put in that
+        order by one gather per column, its index made on the host from the layouts alone."""
+        live = self._settle_keys()
         names = sorted(self.calls, key=lambda n: self.calls[n].info.order)
-        replicated = [n for n in names if not self.calls[n].info.sharded]
-        if self.tp > 1 and replicated:
-            self._find_rank_disagreements(replicated)
-        sharded = [n for n in names if self.calls[n].info.sharded]
-        if sharded:
-            flat = torch.cat([torch.cat(self.calls[n].digests) for n in sharded]
-                             + [torch.cat(self.calls[n].samples).reshape(-1) for n in sharded])
-            dist.all_reduce(flat)  # int64 sums wrap mod 2^64, as the digest does
-            d_sizes = [sum(d.shape[0] for d in self.calls[n].digests) for n in sharded]
-            digests, samples = flat[: sum(d_sizes)].split(d_sizes), flat[sum(d_sizes):].split([s * SAMPLES for s in d_sizes])
-            for n, d, s in zip(sharded, digests, samples):
-                self.calls[n].digests, self.calls[n].samples = [d], [s.reshape(-1, SAMPLES)]
-        if self.rank != 0 or not names:
+        if not names or not self._blocks:
             return None
         calls = [self.calls[n] for n in names]
         prompts, (code, pos), token_of_key, disjoint = self._tokens()
-        # Rows stay as they were recorded, module by module in execution order (each module's
-        # rows in the order of its calls): a trace holds tokens x modules rows, tens of millions
-        # for a suite of long prompts, and no reader needs another order (locate joins on keys).
-        # The key columns are each forward's, laid end to end: no gather over the whole trace.
-        counts = [sum(len(token_of_key[k]) for k in c.keys) for c in calls]
-        key_code, key_pos = [code[t] for t in token_of_key], [pos[t] for t in token_of_key]
-        row_code = np.concatenate([key_code[k] for c in calls for k in c.keys])
-        row_pos = np.concatenate([key_pos[k] for c in calls for k in c.keys])
+        rows = _Rows.build(self._blocks, calls, live, token_of_key)
+        counts, bounds = rows.counts, np.concatenate(([0], np.cumsum(rows.counts)))
+        device = self._blocks[0].digests.device
+        where = torch.from_numpy(rows.index).to(device)
+        digest = torch.cat([b.digests for b in self._blocks])[where]
+        sample = torch.cat([b.samples for b in self._blocks])[where]
+
+        def module_rows(js: list[int]) -> np.ndarray:
+            return np.concatenate([np.arange(bounds[j], bounds[j + 1]) for j in js])
+
+        sharded = [j for j, c in enumerate(calls) if c.info.sharded]
+        if sharded:
+            at = torch.from_numpy(module_rows(sharded)).to(device)
+            # int64 sums wrap mod 2^64, as the digest does; a sample is one rank's bits plus zeros
+            flat = torch.cat([digest[at], sample[at].reshape(-1).to(torch.int64)])
+            dist.all_reduce(flat)
+            digest[at], sample[at] = flat[:len(at)], flat[len(at):].reshape(-1, SAMPLES).to(torch.int32)
+        replicated = [j for j, c in enumerate(calls) if not c.info.sharded]
+        if self.tp > 1 and replicated:
+            self._find_rank_disagreements(calls, replicated, digest, bounds, module_rows, rows.token, prompts, code, pos)
+        if self.rank != 0:
+            return None
+        row_code, row_pos = code[rows.token], pos[rows.token]
         module = np.repeat(np.arange(len(calls), dtype=np.int32), counts)
         order = np.repeat(np.array([c.info.order for c in calls], dtype=np.int32), counts)
-        sel = _kept_rows(calls, token_of_key, counts, disjoint)
-        # One copy off the device per column; a sample's uint32 bits are made on the device.
-        digest = _host(torch.cat([d for c in calls for d in c.digests])).view(np.uint64)
-        sample = _host(torch.cat([x for c in calls for x in c.samples]).to(torch.int32)).view(np.uint32)
-        experts = [torch.cat(c.experts).cpu().numpy() if c.info.routing else None for c in calls]
+        sel = _kept_rows(rows.token, counts, rows.module_keys, disjoint)
+        # One copy off the device per column.
+        digest = _host(digest).view(np.uint64)
+        sample = _host(sample).view(np.uint32)
+        experts = [rows.experts(self._blocks, j) if c.info.routing else None for j, c in enumerate(calls)]
         if sel is not None:
             row_code, row_pos, module, order = row_code[sel], row_pos[sel], module[sel], order[sel]
             digest, sample = digest[sel], sample[sel]
@@ -285,37 +325,21 @@ class Tracer:
         ], schema=SCHEMA)
         return table, [c.info for c in calls]
 
-    def _settle(self) -> None:
-        """Decode steps' rows that were not live go; their keys get their positions. One host
-        copy per step's two vectors, one gather per module and column. Only finish() reads the
-        rows after this, module by module, so each module's rows stay one tensor (splitting
-        them back per forward cost more than the gather, for finish to concatenate again)."""
+    def _settle_keys(self) -> dict[int, np.ndarray]:
+        """Decode steps' keys keep their live rows and get their positions: one host copy for
+        all steps. Returns each decode key's live rows (indices into the step's rows)."""
         if not self._pending:
-            return
-        keep: dict[int, np.ndarray] = {}
-        for k, (pos, live) in self._pending.items():
-            keep[k] = live.cpu().numpy().astype(bool)
-            self._keys[k] = (self._keys[k][0][keep[k]], pos.cpu().numpy().astype(np.int64)[keep[k]])
+            return {}
+        steps = list(self._pending.items())
         self._pending.clear()
-        # One gather for all modules at once: per module it would be some 500 rounds of a
-        # concatenation, an index upload and a gather, each mostly launch overhead.
-        settle = [c for c in self.calls.values() if any(k in keep for k in c.keys)]
-        if not settle:
-            return
-        rows = np.concatenate([keep[k] if k in keep else np.ones(d.shape[0], dtype=bool)
-                               for c in settle for k, d in zip(c.keys, c.digests)])
-        sizes = [sum(d.shape[0] for d in c.digests) for c in settle]
-        starts = np.cumsum([0, *sizes[:-1]])
-        device = settle[0].digests[0].device
-        index = torch.from_numpy(np.flatnonzero(rows)).to(device)
-        kept = np.add.reduceat(rows, starts, dtype=np.int64).tolist()
-        digests = torch.cat([d for c in settle for d in c.digests])[index].split(kept)
-        samples = torch.cat([x for c in settle for x in c.samples])[index].split(kept)
-        for c, d, x, start, size in zip(settle, digests, samples, starts, sizes):
-            c.digests, c.samples = [d], [x]
-            if c.info.routing:  # a router's experts rows are its digest rows: the same slice of `rows`
-                mine = torch.from_numpy(np.flatnonzero(rows[start:start + size])).to(device)
-                c.experts = [torch.cat(c.experts)[mine]]
+        pos = torch.cat([p.reshape(-1) for _, (p, _) in steps]).cpu().numpy().astype(np.int64)
+        live = torch.cat([v.reshape(-1) for _, (_, v) in steps]).cpu().numpy().astype(bool)
+        split = np.cumsum([p.numel() for _, (p, _) in steps])[:-1]
+        kept = {}
+        for (k, _), p, v in zip(steps, np.split(pos, split), np.split(live, split)):
+            self._keys[k] = (self._keys[k][0][v], p[v])
+            kept[k] = np.flatnonzero(v)
+        return kept
 
     def _tokens(self) -> tuple[list[str], tuple[np.ndarray, np.ndarray], list[np.ndarray], bool]:
         """The traced tokens (prompt, position): the sorted prompt ids, each token's (prompt code,
@@ -330,39 +354,113 @@ class Tracer:
         return (prompts.tolist(), ((tokens // span).astype(np.int32), (tokens % span).astype(np.int32)),
                 np.split(token, split), len(tokens) == len(pos))
 
-    def _rows_of(self, calls: _Calls) -> tuple[np.ndarray, np.ndarray]:
-        """(prompt id, position) of each digest row of a module, in the order they were recorded."""
-        return (np.concatenate([self._keys[k][0] for k in calls.keys]),
-                np.concatenate([self._keys[k][1] for k in calls.keys]))
-
-    def _find_rank_disagreements(self, names: list[str]) -> None:
+    def _find_rank_disagreements(self, calls, js, digest, bounds, module_rows, token, prompts, code, pos) -> None:
         """Rows of replicated outputs whose bits differ between ranks. The trace keeps rank 0's
         digests; this says where the others differ from them. The row's max and min over ranks
         (two all-reduces, nothing gathered) differ exactly where some rank disagrees."""
-        mine = torch.cat([d for n in names for d in self.calls[n].digests])
+        at = module_rows(js)
+        mine = digest[torch.from_numpy(at).to(digest.device)]
         high, low = mine.clone(), mine.clone()
         dist.all_reduce(high, op=dist.ReduceOp.MAX)
         dist.all_reduce(low, op=dist.ReduceOp.MIN)
         differ = (high != low).cpu().numpy()
-        sizes = [sum(d.shape[0] for d in self.calls[n].digests) for n in names]
-        for n, rows in zip(names, np.split(differ, np.cumsum(sizes)[:-1])):
-            info = self.calls[n].info
+        sizes = [bounds[j + 1] - bounds[j] for j in js]
+        for j, rows, first_row in zip(js, np.split(differ, np.cumsum(sizes)[:-1]), bounds[js]):
+            info = calls[j].info
             info.ranks_disagree = int(rows.sum())
             if info.ranks_disagree:
-                pids, pos = self._rows_of(self.calls[n])
-                first = int(np.argmax(rows))
-                info.first_disagreement = {"prompt_id": str(pids[first]), "pos": int(pos[first])}
+                t = token[first_row + int(np.argmax(rows))]
+                info.first_disagreement = {"prompt_id": str(prompts[code[t]]), "pos": int(pos[t])}
+
+
+@dataclass
+class _Rows:
+    """The trace's rows, module by module, as places in the blocks: `index` into the blocks'
+    columns laid end to end, each row's `token`, each module's row count and the keys of its
+    calls (in order), and, per call in that order, its block and call number in the block."""
+    index: np.ndarray
+    token: np.ndarray
+    counts: np.ndarray
+    module_keys: list[np.ndarray]
+    seg_block: np.ndarray
+    seg_call: np.ndarray
+    sel: list[np.ndarray]  # per block: its kept rows
+
+    @staticmethod
+    def build(blocks: list[_Block], calls: list[_Calls], live: dict[int, np.ndarray],
+              token_of_key: list[np.ndarray]) -> "_Rows":
+        number = {id(c): j for j, c in enumerate(calls)}
+        per_layout: dict[int, np.ndarray] = {}
+        for b in blocks:
+            if id(b.layout) not in per_layout:
+                per_layout[id(b.layout)] = np.array([number[id(c)] for c in b.layout.calls], dtype=np.int64)
+        n_calls = np.array([len(b.layout.calls) for b in blocks], dtype=np.int64)
+        seg_module = np.concatenate([per_layout[id(b.layout)] for b in blocks])
+        seg_block = np.repeat(np.arange(len(blocks)), n_calls)
+        seg_call = np.arange(len(seg_block)) - np.repeat(np.cumsum(n_calls) - n_calls, n_calls)
+        by_module = np.argsort(seg_module, kind="stable")  # module by module, each module's calls in order
+        seg_module, seg_block, seg_call = seg_module[by_module], seg_block[by_module], seg_call[by_module]
+
+        sel = [live[b.key] if b.key in live else np.arange(b.layout.rows) for b in blocks]
+        size = np.array([b.digests.shape[0] for b in blocks], dtype=np.int64)
+        first = (np.cumsum(size) - size)[seg_block] + seg_call * np.array([b.layout.rows for b in blocks])[seg_block]
+        keys = np.array([b.key for b in blocks], dtype=np.int64)[seg_block]
+        # Concatenations of each call's pieces (no gather over every row: traces run to tens of millions).
+        index = np.concatenate([f + sel[b] for f, b in zip(first.tolist(), seg_block.tolist())])
+        token = np.concatenate([token_of_key[k] for k in keys.tolist()])
+        n = np.array([len(s) for s in sel], dtype=np.int64)[seg_block]  # kept rows of each call
+        counts = np.bincount(seg_module, weights=n, minlength=len(calls)).astype(np.int64)
+        module_keys = np.split(keys, np.cumsum(np.bincount(seg_module, minlength=len(calls)))[:-1])
+        return _Rows(index, token, counts, module_keys, seg_block, seg_call, sel)
+
+    def experts(self, blocks: list[_Block], j: int) -> np.ndarray:
+        """Module j's (a router's choice) ids, [rows, k], in its rows' order."""
+        bounds = np.concatenate(([0], np.cumsum([len(k) for k in self.module_keys])))
+        parts = []
+        for s in range(bounds[j], bounds[j + 1]):
+            b, c = blocks[self.seg_block[s]], self.seg_call[s]
+            k = int(b.layout.expert_width[c])
+            start = int(b.layout.expert_start[c])
+            ids = b.experts[start:start + b.layout.rows * k].reshape(b.layout.rows, k)
+            parts.append(ids[torch.from_numpy(self.sel[self.seg_block[s]]).to(ids.device)])
+        return torch.cat(parts).cpu().numpy()
+
+
+_STAGE_BYTES = 32 << 20
+_stages: dict[torch.device, list[torch.Tensor]] = {}
 
 
 def _host(t: torch.Tensor) -> np.ndarray:
-    """A device tensor's values on the host: one copy into page-locked memory, which runs at
-    the link's speed (a pageable copy of a trace's hundreds of MB goes through a bounce
-    buffer), and which torch's host allocator keeps for the next cell's trace."""
+    """A device tensor's values on the host, through two page-locked staging buffers per device
+    (kept for the process): a piece is copied off the device into one while the other's is
+    copied into the array. A pageable copy of a trace's hundreds of MB goes through the
+    driver's bounce buffer; a page-locked buffer the trace's size costs more to allocate than
+    to fill, and torch's own cache of them is emptied by every CUDA graph capture."""
     if not t.is_cuda:
         return t.numpy()
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    host.copy_(t)
-    return host.numpy()
+    out = np.empty(t.shape, dtype=torch.empty(0, dtype=t.dtype).numpy().dtype)
+    src, dst = t.contiguous().reshape(-1).view(torch.uint8), out.reshape(-1).view(np.uint8)
+    stages = _stages.get(t.device)
+    if stages is None:
+        stages = _stages[t.device] = [torch.empty(_STAGE_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+    pending = None
+    for i, start in enumerate(range(0, src.numel(), _STAGE_BYTES)):
+        n = min(_STAGE_BYTES, src.numel() - start)
+        stage = stages[i % 2]  # its last piece was taken out in the previous round
+        stage[:n].copy_(src[start:start + n], non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        if pending is not None:
+            _unstage(dst, *pending)
+        pending = (start, n, stage, done)
+    if pending is not None:
+        _unstage(dst, *pending)
+    return out
+
+
+def _unstage(dst: np.ndarray, start: int, n: int, stage: torch.Tensor, done: Any) -> None:
+    done.synchronize()
+    dst[start:start + n] = stage[:n].numpy()
 
 
 def _experts_column(row_counts: list[int], ids: list[np.ndarray | None], sel: np.ndarray | None) -> pa.Array:
@@ -385,17 +483,18 @@ def _experts_column(row_counts: list[int], ids: list[np.ndarray | None], sel: np
                                     mask=pa.array(width < 0))
 
 
-def _kept_rows(calls: list[_Calls], token_of_key: list[np.ndarray], counts: list[int], disjoint: bool) -> np.ndarray | None:
+def _kept_rows(token: np.ndarray, counts: np.ndarray, module_keys: list[np.ndarray], disjoint: bool) -> np.ndarray | None:
     """The trace's rows to keep, None for all of them: only a token that is in two forwards, or
     a module called twice in one forward, can make a module name a token twice."""
-    distinct = [disjoint and len(set(c.keys)) == len(c.keys) for c in calls]
+    distinct = [disjoint and len(np.unique(keys)) == len(keys) for keys in module_keys]
     if all(distinct):
         return None
-    kept = [None if d else _first_calls(np.concatenate([token_of_key[k] for k in c.keys])) for d, c in zip(distinct, calls)]
+    starts = np.cumsum(counts) - counts
+    kept = [None if d else _first_calls(token[s:s + n]) for d, s, n in zip(distinct, starts, counts)]
     if all(k is None for k in kept):
         return None
     return np.concatenate([np.arange(n) + start if k is None else k + start
-                           for k, n, start in zip(kept, counts, np.cumsum([0, *counts]))])
+                           for k, n, start in zip(kept, counts, starts)])
 
 
 def _first_calls(token: np.ndarray) -> np.ndarray | None:
