@@ -273,3 +273,45 @@ def test_positions_after_a_differing_token_are_left_out(traced: Path, tmp_path: 
     same_tokens = cell("same_tokens", records, replaced(trace, "digest", digest))
     r = locate(a, same_tokens)
     assert r.diverged and r.after_fork == 0 and r.first_by_prompt[pid][1] == fork
+
+
+def test_a_graphs_warm_up_digests_only_outputs_in_a_new_layout():
+    """The warm-up forward before a decode graph's capture is dropped from the trace: it launches
+    no digest for an output whose module was digested before in the same layout, and does for
+    one in a layout not seen yet (its kernel must be built outside the capture)."""
+    import numpy as np
+    import torch
+
+    from repaudit.run.trace import Tracer
+
+    class Two(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Linear(4, 4)
+            self.b = torch.nn.Linear(4, 6)
+
+        def forward(self, x):
+            return self.b(self.a(x))
+
+        def get_output_embeddings(self):
+            return None
+
+    model = Two()
+    tracer = Tracer(model, tp=1)
+    with torch.no_grad():
+        tracer.begin(2, 3, torch.arange(6), np.array(["p"] * 6, dtype=object), np.arange(6))
+        model(torch.randn(2, 3, 4))
+        tracer.end()
+        tracer.begin_step(np.array(["p", "q"], dtype=object), torch.tensor([6, 7]), torch.tensor([True, True]))
+        mark = tracer.mark()
+        with tracer.warming():
+            model(torch.randn(2, 1, 4))
+        assert tracer.take_since(mark) == []  # both seen, same layouts: nothing launched
+        model.b.weight = torch.nn.Parameter(torch.randn(12, 4))  # a new width: a new layout for b
+        model.b.bias = torch.nn.Parameter(torch.randn(12))
+        with tracer.warming():
+            model(torch.randn(2, 1, 4))
+        assert [e.calls.info.name for e in tracer.take_since(mark)] == ["b"]
+        model(torch.randn(2, 1, 4))  # outside a warm-up every call is digested
+        assert [e.calls.info.name for e in tracer.take_since(mark)] == ["a", "b"]
+    tracer.end()

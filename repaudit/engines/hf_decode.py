@@ -31,6 +31,7 @@ STATIC_FAMILIES. Anything else decodes eagerly with a dynamic cache.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -204,7 +205,8 @@ class GraphedStep:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         mark = self.tracer.mark() if self.tracer is not None else None
-        with torch.cuda.stream(stream):
+        warming = self.tracer.warming() if self.tracer is not None else contextlib.nullcontext()
+        with torch.cuda.stream(stream), warming:
             # Warm-up on the capture's stream: Triton compiles and cuBLAS sets up here, not
             # inside the capture. It writes this step's cache slot, which the replay rewrites;
             # what it traced is dropped, the replay traces the step.

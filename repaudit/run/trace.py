@@ -27,6 +27,7 @@ token, the chosen expert ids sorted ascending (the set, not the router's ranking
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -51,6 +52,7 @@ class _Calls:
     info: ModuleInfo
     pick: torch.Tensor | None = None  # local column of each sampled feature
     owned: torch.Tensor | None = None  # which sampled features this rank holds
+    layout: tuple | None = None  # of the last output digested: what the digest kernel was built for
 
 
 @dataclass
@@ -99,6 +101,7 @@ class Tracer:
         self._pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._all_rows: dict[tuple[int, torch.device], torch.Tensor] = {}
         self._ctx: tuple[tuple[int, int], torch.Tensor] | None = None
+        self._warming = False
         # Storages of this forward's sharded outputs. A weak reference keeps a storage's identity
         # unique while it lives on, so freed memory handed to a new tensor is never taken for a shard.
         self._shards: set[StorageWeakRef] = set()
@@ -148,6 +151,18 @@ class Tracer:
         self._shards.clear()
 
     # ------------------------------------------------------------------ CUDA graphs
+    @contextlib.contextmanager
+    def warming(self):
+        """A graph's warm-up forward, whose calls are dropped: a hook digests nothing where the
+        module's output was digested before in the same layout (dtype, strides, alignment), so
+        the kernel is built and loaded already; only a new layout is digested, to build it
+        outside the capture. Saves a digest launch per module per captured batch."""
+        self._warming = True
+        try:
+            yield
+        finally:
+            self._warming = False
+
     def mark(self) -> int:
         """Where the current forward's recorded calls end now."""
         return len(self._fwd)
@@ -229,6 +244,10 @@ class Tracer:
             self._shards.add(StorageWeakRef(out.untyped_storage()))
         local = whole.shape[1]
         offset = self.rank * local if info.sharded else 0
+        layout = (whole.dtype, whole.stride(0), whole.stride(1), whole.data_ptr() % 16, offset)
+        if self._warming and calls.layout == layout:
+            return None
+        calls.layout = layout
         if calls.pick is None:
             idx = torch.linspace(0, info.features - 1, SAMPLES, device=whole.device).round().long() - offset
             calls.owned = ((idx >= 0) & (idx < local)).long()
