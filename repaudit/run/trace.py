@@ -16,8 +16,9 @@ disagree on a replicated output are counted per module, a finding of their own.
 A decode step tells the tracer its rows without reading anything from the device
 (begin_step): every row of the step is digested, and finish() keeps the rows that were live.
 So a traced decode loop never waits for the device, and its steps can be replayed from a CUDA
-graph: the graph holds the hooks' kernels, and after each replay the caller hands the tracer
-copies of their outputs (mark / take_since / replay).
+graph: the graph holds the hooks' kernels and packs their outputs into one block (mark /
+take_since / pack at the capture), and after each replay the tracer keeps a copy of the block
+(replay). Every forward ends as one such block; tracerows.py puts their rows in the table's order.
 
 A mixture-of-experts layer's fused experts module is called with the router's choice
 (hidden, top_k_index, top_k_weights), whatever router made it: its pre-hook records, per real
@@ -41,6 +42,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from ..record.digest import row_digest
 from ..record.tracefile import SAMPLES, SCHEMA, ModuleInfo
 from .experts import is_experts
+from .tracerows import Block, Layout, Rows, experts_column, kept_rows, to_host
 
 _BITS = {torch.float32: (torch.int32, 0xFFFFFFFF, "float32"), torch.bfloat16: (torch.int16, 0xFFFF, "bfloat16"),
          torch.float16: (torch.int16, 0xFFFF, "float16")}
@@ -64,26 +66,6 @@ class _Entry:
     experts: torch.Tensor | None = None  # a router's choice: sorted expert ids, int32 [rows, k]
 
 
-@dataclass
-class _Layout:
-    """Where each call of a forward sits in its block (the same for every replay of a graph).
-    Every call of a forward digests the forward's rows, so call i holds rows [i * rows, (i + 1) * rows)."""
-    calls: list[_Calls]
-    rows: int
-    expert_start: np.ndarray  # per call: its ids' first element in the block's `experts`
-    expert_width: np.ndarray  # per call: k of a router's choice, 0 for any other call
-
-
-@dataclass
-class _Block:
-    """A forward's calls packed into one tensor per column; finish() puts them module by module."""
-    key: int  # index into Tracer._keys
-    layout: _Layout
-    digests: torch.Tensor  # [calls * rows]
-    samples: torch.Tensor  # [calls * rows, SAMPLES]
-    experts: torch.Tensor | None  # int32, the routers' [rows, k] ids laid end to end
-
-
 class Tracer:
     """Attach to a model for one cell; the engine brackets each forward with begin()/end()."""
 
@@ -96,7 +78,7 @@ class Tracer:
         self.calls: dict[str, _Calls] = {}
         self._keys: list[tuple[np.ndarray, np.ndarray]] = []
         self._fwd: list[_Entry] = []  # the current forward's calls
-        self._blocks: list[_Block] = []  # every finished forward's, in the order they ran
+        self._blocks: list[Block] = []  # every finished forward's, in the order they ran
         # Decode steps' keys, settled in finish(): key index -> (positions, live rows), on the device.
         self._pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._all_rows: dict[tuple[int, torch.device], torch.Tensor] = {}
@@ -173,7 +155,7 @@ class Tracer:
         del self._fwd[mark:]
         return taken
 
-    def pack(self, entries: list[_Entry]) -> _Block | None:
+    def pack(self, entries: list[_Entry]) -> Block | None:
         """The calls as one block: one tensor per column. Run inside a graph capture (on the
         capture's calls, take_since's answer), these concatenations are the graph's own kernels,
         so a replay's trace costs replay(): two or three copies, whatever the model's size."""
@@ -184,17 +166,17 @@ class Tracer:
             raise RuntimeError("the calls of one forward digested different rows")
         width = np.array([0 if e.experts is None else e.experts.shape[1] for e in entries], dtype=np.int64)
         ids = [e.experts.reshape(-1) for e in entries if e.experts is not None]
-        return _Block(-1, _Layout([e.calls for e in entries], rows, np.cumsum(width * rows) - width * rows, width),
+        return Block(-1, Layout([e.calls for e in entries], rows, np.cumsum(width * rows) - width * rows, width),
                       torch.cat([e.digests for e in entries]), torch.cat([e.samples for e in entries]),
                       torch.cat(ids) if ids else None)
 
-    def replay(self, packed: _Block | None) -> None:
+    def replay(self, packed: Block | None) -> None:
         """Record a replayed graph's block (pack's answer at its capture) for the current
         forward: copies, since the next replay rewrites it."""
         if packed is None:
             return
         experts = packed.experts.clone() if packed.experts is not None else None
-        self._blocks.append(_Block(len(self._keys) - 1, packed.layout, packed.digests.clone(), packed.samples.clone(),
+        self._blocks.append(Block(len(self._keys) - 1, packed.layout, packed.digests.clone(), packed.samples.clone(),
                                    experts))
 
     # ------------------------------------------------------------------ hooks
@@ -300,7 +282,7 @@ class Tracer:
             return None
         calls = [self.calls[n] for n in names]
         prompts, (code, pos), token_of_key, disjoint = self._tokens()
-        rows = _Rows.build(self._blocks, calls, live, token_of_key)
+        rows = Rows.build(self._blocks, calls, live, token_of_key)
         counts, bounds = rows.counts, np.concatenate(([0], np.cumsum(rows.counts)))
         device = self._blocks[0].digests.device
         where = torch.from_numpy(rows.index).to(device)
@@ -325,10 +307,10 @@ class Tracer:
         row_code, row_pos = code[rows.token], pos[rows.token]
         module = np.repeat(np.arange(len(calls), dtype=np.int32), counts)
         order = np.repeat(np.array([c.info.order for c in calls], dtype=np.int32), counts)
-        sel = _kept_rows(rows.token, counts, rows.module_keys, disjoint)
+        sel = kept_rows(rows.token, counts, rows.module_keys, disjoint)
         # One copy off the device per column.
-        digest = _host(digest).view(np.uint64)
-        sample = _host(sample).view(np.uint32)
+        digest = to_host(digest).view(np.uint64)
+        sample = to_host(sample).view(np.uint32)
         experts = [rows.experts(self._blocks, j) if c.info.routing else None for j, c in enumerate(calls)]
         if sel is not None:
             row_code, row_pos, module, order = row_code[sel], row_pos[sel], module[sel], order[sel]
@@ -340,7 +322,7 @@ class Tracer:
             pa.array(order),
             pa.array(digest),
             pa.FixedSizeListArray.from_arrays(pa.array(sample.reshape(-1)), SAMPLES),
-            _experts_column(counts, experts, sel),
+            experts_column(counts, experts, sel),
         ], schema=SCHEMA)
         return table, [c.info for c in calls]
 
@@ -390,137 +372,6 @@ class Tracer:
             if info.ranks_disagree:
                 t = token[first_row + int(np.argmax(rows))]
                 info.first_disagreement = {"prompt_id": str(prompts[code[t]]), "pos": int(pos[t])}
-
-
-@dataclass
-class _Rows:
-    """The trace's rows, module by module, as places in the blocks: `index` into the blocks'
-    columns laid end to end, each row's `token`, each module's row count and the keys of its
-    calls (in order), and, per call in that order, its block and call number in the block."""
-    index: np.ndarray
-    token: np.ndarray
-    counts: np.ndarray
-    module_keys: list[np.ndarray]
-    seg_block: np.ndarray
-    seg_call: np.ndarray
-    sel: list[np.ndarray]  # per block: its kept rows
-
-    @staticmethod
-    def build(blocks: list[_Block], calls: list[_Calls], live: dict[int, np.ndarray],
-              token_of_key: list[np.ndarray]) -> "_Rows":
-        number = {id(c): j for j, c in enumerate(calls)}
-        per_layout: dict[int, np.ndarray] = {}
-        for b in blocks:
-            if id(b.layout) not in per_layout:
-                per_layout[id(b.layout)] = np.array([number[id(c)] for c in b.layout.calls], dtype=np.int64)
-        n_calls = np.array([len(b.layout.calls) for b in blocks], dtype=np.int64)
-        seg_module = np.concatenate([per_layout[id(b.layout)] for b in blocks])
-        seg_block = np.repeat(np.arange(len(blocks)), n_calls)
-        seg_call = np.arange(len(seg_block)) - np.repeat(np.cumsum(n_calls) - n_calls, n_calls)
-        by_module = np.argsort(seg_module, kind="stable")  # module by module, each module's calls in order
-        seg_module, seg_block, seg_call = seg_module[by_module], seg_block[by_module], seg_call[by_module]
-
-        sel = [live[b.key] if b.key in live else np.arange(b.layout.rows) for b in blocks]
-        size = np.array([b.digests.shape[0] for b in blocks], dtype=np.int64)
-        first = (np.cumsum(size) - size)[seg_block] + seg_call * np.array([b.layout.rows for b in blocks])[seg_block]
-        keys = np.array([b.key for b in blocks], dtype=np.int64)[seg_block]
-        # Concatenations of each call's pieces (no gather over every row: traces run to tens of millions).
-        index = np.concatenate([f + sel[b] for f, b in zip(first.tolist(), seg_block.tolist())])
-        token = np.concatenate([token_of_key[k] for k in keys.tolist()])
-        n = np.array([len(s) for s in sel], dtype=np.int64)[seg_block]  # kept rows of each call
-        counts = np.bincount(seg_module, weights=n, minlength=len(calls)).astype(np.int64)
-        module_keys = np.split(keys, np.cumsum(np.bincount(seg_module, minlength=len(calls)))[:-1])
-        return _Rows(index, token, counts, module_keys, seg_block, seg_call, sel)
-
-    def experts(self, blocks: list[_Block], j: int) -> np.ndarray:
-        """Module j's (a router's choice) ids, [rows, k], in its rows' order."""
-        bounds = np.concatenate(([0], np.cumsum([len(k) for k in self.module_keys])))
-        parts = []
-        for s in range(bounds[j], bounds[j + 1]):
-            b, c = blocks[self.seg_block[s]], self.seg_call[s]
-            k = int(b.layout.expert_width[c])
-            start = int(b.layout.expert_start[c])
-            ids = b.experts[start:start + b.layout.rows * k].reshape(b.layout.rows, k)
-            parts.append(ids[torch.from_numpy(self.sel[self.seg_block[s]]).to(ids.device)])
-        return torch.cat(parts).cpu().numpy()
-
-
-_STAGE_BYTES = 32 << 20
-_stages: dict[torch.device, list[torch.Tensor]] = {}
-
-
-def _host(t: torch.Tensor) -> np.ndarray:
-    """A device tensor's values on the host, through two page-locked staging buffers per device
-    (kept for the process): a piece is copied off the device into one while the other's is
-    copied into the array. A pageable copy of a trace's hundreds of MB goes through the
-    driver's bounce buffer; a page-locked buffer the trace's size costs more to allocate than
-    to fill, and torch's own cache of them is emptied by every CUDA graph capture."""
-    if not t.is_cuda:
-        return t.numpy()
-    out = np.empty(t.shape, dtype=torch.empty(0, dtype=t.dtype).numpy().dtype)
-    src, dst = t.contiguous().reshape(-1).view(torch.uint8), out.reshape(-1).view(np.uint8)
-    stages = _stages.get(t.device)
-    if stages is None:
-        stages = _stages[t.device] = [torch.empty(_STAGE_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
-    pending = None
-    for i, start in enumerate(range(0, src.numel(), _STAGE_BYTES)):
-        n = min(_STAGE_BYTES, src.numel() - start)
-        stage = stages[i % 2]  # its last piece was taken out in the previous round
-        stage[:n].copy_(src[start:start + n], non_blocking=True)
-        done = torch.cuda.Event()
-        done.record()
-        if pending is not None:
-            _unstage(dst, *pending)
-        pending = (start, n, stage, done)
-    if pending is not None:
-        _unstage(dst, *pending)
-    return out
-
-
-def _unstage(dst: np.ndarray, start: int, n: int, stage: torch.Tensor, done: Any) -> None:
-    done.synchronize()
-    dst[start:start + n] = stage[:n].numpy()
-
-
-def _experts_column(row_counts: list[int], ids: list[np.ndarray | None], sel: np.ndarray | None) -> pa.Array:
-    """The trace's `experts` column in row order `sel` (None: every row as concatenated): each
-    routing row's sorted ids, null on every other row. Per module, in the order its rows were
-    concatenated: its row count and its ids [rows, k] (None for a module that is not a router's
-    choice)."""
-    if all(e is None for e in ids):
-        return pa.nulls(sum(row_counts) if sel is None else len(sel), pa.list_(pa.int32()))
-    width = np.concatenate([np.full(n, -1 if e is None else e.shape[1], dtype=np.int64)
-                            for n, e in zip(row_counts, ids)])
-    values = np.concatenate([e.reshape(-1) for e in ids if e is not None]).astype(np.int32)
-    length = np.maximum(width, 0)
-    start = np.cumsum(length) - length  # where each row's ids begin in `values`
-    if sel is not None:
-        width, length, start = width[sel], length[sel], start[sel]
-    offsets = np.concatenate(([0], np.cumsum(length))).astype(np.int32)
-    gather = np.repeat(start - offsets[:-1], length) + np.arange(offsets[-1])
-    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values[gather], type=pa.int32()),
-                                    mask=pa.array(width < 0))
-
-
-def _kept_rows(token: np.ndarray, counts: np.ndarray, module_keys: list[np.ndarray], disjoint: bool) -> np.ndarray | None:
-    """The trace's rows to keep, None for all of them: only a token that is in two forwards, or
-    a module called twice in one forward, can make a module name a token twice."""
-    distinct = [disjoint and len(np.unique(keys)) == len(keys) for keys in module_keys]
-    if all(distinct):
-        return None
-    starts = np.cumsum(counts) - counts
-    kept = [None if d else _first_calls(token[s:s + n]) for d, s, n in zip(distinct, starts, counts)]
-    if all(k is None for k in kept):
-        return None
-    return np.concatenate([np.arange(n) + start if k is None else k + start
-                           for k, n, start in zip(kept, counts, starts)])
-
-
-def _first_calls(token: np.ndarray) -> np.ndarray | None:
-    """Which of a module's rows to keep: a module called twice at one token (a shared module)
-    keeps its first call. None: every row."""
-    first = np.sort(np.unique(token, return_index=True)[1])
-    return None if len(first) == len(token) else first
 
 
 def _sharded(style: str | None, at_input: bool, input_is_shard) -> bool:
