@@ -167,8 +167,8 @@ class Tracer:
         width = np.array([0 if e.experts is None else e.experts.shape[1] for e in entries], dtype=np.int64)
         ids = [e.experts.reshape(-1) for e in entries if e.experts is not None]
         return Block(-1, Layout([e.calls for e in entries], rows, np.cumsum(width * rows) - width * rows, width),
-                      torch.cat([e.digests for e in entries]), torch.cat([e.samples for e in entries]),
-                      torch.cat(ids) if ids else None)
+                     torch.cat([e.digests for e in entries]), torch.cat([e.samples for e in entries]),
+                     torch.cat(ids) if ids else None)
 
     def replay(self, packed: Block | None) -> None:
         """Record a replayed graph's block (pack's answer at its capture) for the current
@@ -177,7 +177,7 @@ class Tracer:
             return
         experts = packed.experts.clone() if packed.experts is not None else None
         self._blocks.append(Block(len(self._keys) - 1, packed.layout, packed.digests.clone(), packed.samples.clone(),
-                                   experts))
+                                  experts))
 
     # ------------------------------------------------------------------ hooks
     def _hook(self, name: str):
