@@ -236,7 +236,7 @@ def case_details(p: PairOutcome, thresholds: Thresholds | None = None) -> str:
         if r.env_differences:
             lines += ["environment differs: " + ", ".join(f"{k} {a} -> {b}" for k, a, b in r.env_differences)]
         diverged = sorted((p for p in r.shared_prompts if not p.bitwise_match),
-                          key=lambda d: min(x for x in (d.first_token_divergence, d.first_logprob_divergence, 1 << 62) if x is not None))
+                          key=lambda d: 1 << 62 if d.first_divergence is None else d.first_divergence)
         if diverged:
             lines += ["", "first divergences (prompt: logprob bits / tokens):"]
             for d in diverged[:20]:
@@ -267,8 +267,7 @@ def print_gate(g: GateResult, console: Console | None = None) -> None:
         r = p.result
         first = None
         if r is not None:
-            firsts = [x for d in r.shared_prompts for x in (d.first_token_divergence, d.first_logprob_divergence) if x is not None]
-            first = min(firsts, default=None)
+            first = min((d.first_divergence for d in r.shared_prompts if d.first_divergence is not None), default=None)
         t.add_row(
             g.labels.get(p.cell, p.cell), "(ref)" if p.reference_only else (p.delta or p.reference),
             "[green]pass[/]" if p.passed else "[red]FAIL[/]",

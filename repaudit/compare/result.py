@@ -49,6 +49,12 @@ class PromptDiff:
     def bitwise_match(self) -> bool:
         return self.token_match and self.first_logprob_divergence is None
 
+    @property
+    def first_divergence(self) -> int | None:
+        """Where the prompt first diverges: its tokens fork or its logprob bits differ, whichever is earlier."""
+        return min((x for x in (self.first_token_divergence, self.first_logprob_divergence) if x is not None),
+                   default=None)
+
 
 _PROMPT_FIELDS = tuple(f.name for f in fields(PromptDiff))  # every field holds a str, bool, int or None
 

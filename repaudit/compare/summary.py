@@ -46,10 +46,8 @@ def summarize(plan: Plan, run_dir: Path, manifest: Manifest, thresholds: Thresho
             r = p.result
             first = [d.first_logprob_divergence for d in r.shared_prompts if d.first_logprob_divergence is not None]
             first_tok = [d.first_token_divergence for d in r.shared_prompts if d.first_token_divergence is not None]
-            # A prompt diverges where its tokens fork or its logprob bits first differ, whichever
-            # is earlier (as gate and the report count it): a fork with equal bits before it counts.
-            earliest = [min(x for x in (d.first_token_divergence, d.first_logprob_divergence) if x is not None)
-                        for d in r.shared_prompts if not d.bitwise_match]
+            # A fork with equal bits before it counts, as gate and the report count it.
+            earliest = [d.first_divergence for d in r.shared_prompts if not d.bitwise_match]
             row.update({
                 "compared": r.comparable, "bitwise_equal": r.bitwise_equal, "bitwise_equal_rate": r.bitwise_equal_rate,
                 "digest_equal_rate": r.digest_equal_rate, "ulp_max": r.ulp_max, "abs_max": json_float(r.abs_max),

@@ -41,6 +41,7 @@ class Rows:
     token: np.ndarray
     counts: np.ndarray
     module_keys: list[np.ndarray]
+    module_segs: np.ndarray  # module j's calls are calls [module_segs[j], module_segs[j + 1])
     seg_block: np.ndarray
     seg_call: np.ndarray
     sel: list[np.ndarray]  # per block: its kept rows
@@ -69,14 +70,14 @@ class Rows:
         token = np.concatenate([token_of_key[k] for k in keys.tolist()])
         n = np.array([len(s) for s in sel], dtype=np.int64)[seg_block]  # kept rows of each call
         counts = np.bincount(seg_module, weights=n, minlength=len(calls)).astype(np.int64)
-        module_keys = np.split(keys, np.cumsum(np.bincount(seg_module, minlength=len(calls)))[:-1])
-        return Rows(index, token, counts, module_keys, seg_block, seg_call, sel)
+        module_segs = np.concatenate(([0], np.cumsum(np.bincount(seg_module, minlength=len(calls)))))
+        module_keys = np.split(keys, module_segs[1:-1])
+        return Rows(index, token, counts, module_keys, module_segs, seg_block, seg_call, sel)
 
     def experts(self, blocks: list[Block], j: int) -> np.ndarray:
         """Module j's (a router's choice) ids, [rows, k], in its rows' order."""
-        bounds = np.concatenate(([0], np.cumsum([len(k) for k in self.module_keys])))
         parts = []
-        for s in range(bounds[j], bounds[j + 1]):
+        for s in range(self.module_segs[j], self.module_segs[j + 1]):
             b, c = blocks[self.seg_block[s]], self.seg_call[s]
             k = int(b.layout.expert_width[c])
             start = int(b.layout.expert_start[c])
