@@ -60,12 +60,15 @@ def _sync():
 
 
 def _plain_score(model, batch, pad_id):
-    lens = [len(s.prompt) for s in batch]
+    # The tokens the engine scores: the prompt and its completion, so both sides run the same
+    # forwards and count the same tokens.
+    seqs = [s.prompt + (s.completion or ()) for s in batch]
+    lens = [len(t) for t in seqs]
     T = max(lens)
     ids = torch.full((len(batch), T), pad_id, dtype=torch.long)
     mask = torch.zeros_like(ids)
-    for b, s in enumerate(batch):
-        ids[b, : lens[b]] = torch.tensor(s.prompt)
+    for b, t in enumerate(seqs):
+        ids[b, : lens[b]] = torch.tensor(t)
         mask[b, : lens[b]] = 1
     dev = next(model.parameters()).device
     with torch.inference_mode():

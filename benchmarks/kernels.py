@@ -294,21 +294,30 @@ def set_config(cfg):
     tm._plan.cache_clear()
 
 
-def sweep() -> str:
-    """Tile configurations (eager timings) and execution strategies (CUDA-graph timings)."""
-    def cfg(bm, bn, bk, warps, stages, reg, tma):
-        return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages, REG_LEVELS=reg, TMA=tma)
+SWEEP_CONFIGS = [
+    "64x128x128 w8 s4 R2 TMA",  # shipped
+    "64x128x128 w8 s3 R2 TMA",
+    "64x128x64 w4 s3 R1 TMA",  # one warpgroup, m64n128 wgmma; two programs fit an SM
+    "64x128x64 w4 s4 R1 TMA",
+    "64x128x128 w4 s2 R1 TMA",
+    "128x128x64 w8 s3 R1 TMA",
+    "128x128x64 w8 s4 R1 TMA",
+    "128x128x128 w8 s2 R1 TMA",
+]
 
-    variants = {
-        "64x128x128 w8 s4 R2 TMA (default)": cfg(64, 128, 128, 8, 4, 2, True),
-        "64x128x128 w8 s4 R2 pointer loads": cfg(64, 128, 128, 8, 4, 2, False),
-        "64x128x128 w8 s3 R2 TMA": cfg(64, 128, 128, 8, 3, 2, True),
-        "64x128x128 w8 s3 R2 pointer loads (before TMA)": cfg(64, 128, 128, 8, 3, 2, False),
-        "64x128x64 w8 s5 R2 TMA": cfg(64, 128, 64, 8, 5, 2, True),
-        "128x128x64 w8 s4 R1 TMA (spills)": cfg(128, 128, 64, 8, 4, 1, True),
-    }
-    shapes = [SHAPES[0], SHAPES[2], SHAPES[3]]
-    ms = [1, 32, 128, 2048, 8192]
+
+def parse_config(text: str) -> dict:
+    """'64x128x128 w8 s4 R2 TMA' (or 'ptr' for pointer loads) -> a _CONFIGS entry."""
+    tile, warps, stages, reg, loads = text.split()
+    bm, bn, bk = map(int, tile.split("x"))
+    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=int(warps[1:]), num_stages=int(stages[1:]),
+                REG_LEVELS=int(reg[1:]), TMA=loads == "TMA")
+
+
+def sweep(configs=SWEEP_CONFIGS) -> str:
+    """Tile configurations (eager timings) and execution strategies (CUDA-graph timings)."""
+    variants = {name: parse_config(name) for name in configs}
+    shapes, ms = SHAPES, MS  # bench's cells, so the geometric means compare with bench's
     default = dict(tm._CONFIGS[torch.bfloat16])
     rows, kernel_rows = [], []
     seen = set(compiled_kernels())
@@ -335,6 +344,7 @@ def sweep() -> str:
         small = [r for (_, m), r in ratios.items() if m <= 32]
         rows.append((name, f"{geomean(big):.3f}", f"{geomean(small):.3f}",
                      *(f"{ratios[c]:.2f}" if c in ratios else "-" for c in cells)))
+        print(" | ".join(map(str, rows[-1])), flush=True)
         for key, kernel in compiled_kernels().items():
             if key in seen:
                 continue
@@ -368,6 +378,7 @@ def main() -> None:
                         choices=["probe", "accuracy", "bench", "sweep", "host"])
     parser.add_argument("--out", help="folder for <what>.md")
     parser.add_argument("--json", help="bench's rows and geometric means, kept with other devices' (see above)")
+    parser.add_argument("--configs", help="sweep's tile configurations, ';'-separated, e.g. '64x128x64 w4 s3 R1 TMA'")
     parser.add_argument("--repeat", type=int, default=1, help="run bench this many times; --json keeps each row's median")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -376,7 +387,8 @@ def main() -> None:
     print(f"device: {device_name()}\n", flush=True)
     for what in [w for w in args.what for _ in range(args.repeat if w == "bench" else 1)]:
         t = time.time()
-        text = {"probe": probe, "accuracy": accuracy, "bench": bench, "sweep": sweep, "host": host}[what]()
+        text = {"probe": probe, "accuracy": accuracy, "bench": bench, "host": host,
+                "sweep": lambda: sweep(args.configs.split(";") if args.configs else SWEEP_CONFIGS)}[what]()
         text = f"## {what}\n\ndevice: {device_name()}\n\n{text}\n\n({time.time() - t:.0f} s)\n"
         print(text, flush=True)
         if args.out:

@@ -186,6 +186,20 @@ def test_rows_end_at_their_first_stop_id_with_the_bits_of_a_run_without_one(tiny
         assert _bits_equal(type(f)(prompt_id=f.prompt_id, prompt_len=f.prompt_len, **cut), e)
     assert len(ended[0].pos) <= 4 and len(ended[1].pos) <= 3
     assert timing.decode_tokens == sum(len(e.pos) for e in ended) - len(batch)
+    assert timing.generated_tokens == sum(len(e.pos) for e in ended)
+
+
+def test_a_generate_cell_that_stops_after_its_first_token_has_a_rate(tiny):
+    """Every sequence ends on the token the prefill made: nothing decoded, but the cell generated
+    tokens, and its tokens/s counts them over the prefill (it used to say 0 tok/s)."""
+    from repaudit.compare.summary import tokens_per_s
+
+    batch = [Sequence(s.prompt_id, s.prompt, None, 1) for s in _batch(seed=6, new=1)]
+    rows, timing = hf.generate(tiny, batch, topk=0)
+    assert [len(r.pos) for r in rows] == [1] * len(batch)
+    t = timing.as_dict()
+    assert t["decode_tokens"] == 0 and t["generated_tokens"] == len(batch)
+    assert tokens_per_s(t, "generate") == len(batch) / (timing.prefill_s + timing.decode_s) > 0
 
 
 @pytest.mark.parametrize("mode, attn", [("stock", "sdpa"), ("stock", "eager"), ("tbik", None)])

@@ -206,7 +206,7 @@ def _scenario_run(root: Path) -> Path:
     rates = {"vllm-tp1-bs4-default-stock-generate": 100.0, "vllm-tp1-bs4-default-stock-prefix-hit-generate": 150.0}
     for c in plan.cells:
         _record(run / "cells" / f"{c.id}.parquet", c.id, shift=int(c.id == "vllm-tp1-bs4-default-stock-prefix-hit-generate"))
-        key = "decode_tokens_per_s" if c.mode == "generate" else "prefill_tokens_per_s"
+        key = "generated_tokens_per_s" if c.mode == "generate" else "prefill_tokens_per_s"
         cells[c.id] = {"status": "done", "reason": None, "seconds": 1.0, "timing": {key: rates.get(c.id, 50.0)}}
     for c, reason in plan.refused:
         cells[c.id] = {"status": "refused", "reason": reason}

@@ -315,3 +315,92 @@ def test_a_graphs_warm_up_digests_only_outputs_in_a_new_layout():
         model(torch.randn(2, 1, 4))  # outside a warm-up every call is digested
         assert [e.calls.info.name for e in tracer.take_since(mark)] == ["a", "b"]
     tracer.end()
+
+
+def _copied_cell(tmp_path: Path, name: str, records, trace) -> Path:
+    path = tmp_path / f"{name}.parquet"
+    pq.write_table(records, path)
+    pq.write_table(trace, trace_path(path))
+    return path
+
+
+def _replaced(table, column: str, values):
+    import pyarrow as pa
+
+    i = table.schema.get_field_index(column)
+    return table.set_column(i, table.schema.field(i), pa.array(values, type=table.schema.field(i).type))
+
+
+def test_logits_that_differ_first_are_the_lm_heads_divergence(traced: Path, tmp_path: Path):
+    """The lm_head is not traced; its logits rows are compared through the records' row digests.
+    Where the logits of position P differ (record row P + 1) and no traced output does, locate
+    names the lm_head at P (it used to say that nothing differs)."""
+    import numpy as np
+
+    src = cell_path(traced, "hf-tp1-bs1-default-tbik-score")
+    records, trace = pq.read_table(src), pq.read_table(trace_path(src))
+    pid, row_pos = "smoke-arith", 4
+    digest = records.column("row_digest").to_numpy().copy()
+    at = (np.asarray(records.column("prompt_id").to_pylist()) == pid) & (records.column("pos").to_numpy() == row_pos)
+    assert at.sum() == 1
+    digest[at] ^= 1
+    a = _copied_cell(tmp_path, "a", records, trace)
+    b = _copied_cell(tmp_path, "b", _replaced(records, "row_digest", digest), trace)
+    r = locate(a, b)
+    assert r.first_by_prompt[pid] == ("lm_head", row_pos - 1)
+    head = next(m for m in r.modules if m.name == "lm_head")
+    assert head.differing == 1 and head.order == max(m.order for m in r.modules)
+    assert head.compared == len(records) - records.column("pos").to_numpy().tolist().count(0)
+    assert r.diverged and r.first.name == "lm_head" and r.sentence().startswith("first divergence: lm_head")
+
+
+def test_a_generate_cells_prefill_comes_before_its_decode_steps(traced: Path, tmp_path: Path):
+    """Execution order is forward first: a late module that differs in the prefill diverged
+    before an early module that differs in a decode step."""
+    import json as _json
+
+    import numpy as np
+
+    from repaudit.record.tracefile import KEY_CELL
+
+    src = cell_path(traced, "hf-tp1-bs1-default-tbik-score")
+    records, trace = pq.read_table(src), pq.read_table(trace_path(src))
+    pid = "smoke-arith"
+    mine = np.asarray(records.column("prompt_id").to_pylist()) == pid
+    pos = records.column("pos").to_numpy()
+    prompt_len = 5  # rows from here on count as generated: the prefill runs positions 0..4
+    phase = ["completion" if p >= prompt_len else "prompt" for p in pos]
+    records = _replaced(records, "phase", phase)
+    meta = dict(trace.schema.metadata)
+    meta[KEY_CELL.encode()] = _json.dumps({**_json.loads(meta[KEY_CELL.encode()]), "mode": "generate"}).encode()
+    trace = trace.replace_schema_metadata(meta)
+    modules = trace.column("module").to_pylist()
+    orders = trace.column("order").to_numpy()
+    tpos = trace.column("pos").to_numpy()
+    tpid = np.asarray(trace.column("prompt_id").to_pylist())
+    early, late = modules[int(np.argmin(orders))], modules[int(np.argmax(orders))]
+    digest = trace.column("digest").to_numpy().copy()
+    decode_early = (tpid == pid) & (np.asarray(modules) == early) & (tpos == prompt_len + 1)  # decode step 2
+    prefill_late = (tpid == pid) & (np.asarray(modules) == late) & (tpos == 2)
+    assert decode_early.sum() == 1 and prefill_late.sum() == 1 and mine.any()
+    digest[decode_early | prefill_late] += 1
+    a = _copied_cell(tmp_path, "a", records, trace)
+    b = _copied_cell(tmp_path, "b", records, _replaced(trace, "digest", digest))
+    r = locate(a, b)
+    assert r.first_by_prompt[pid] == (late, 2)
+    assert r.first.name == late
+    # The same differences in a score cell (one forward): the earliest module wins.
+    score_meta = dict(meta)
+    score_meta[KEY_CELL.encode()] = _json.dumps({**_json.loads(meta[KEY_CELL.encode()]), "mode": "score"}).encode()
+    a = _copied_cell(tmp_path, "a2", records, trace.replace_schema_metadata(score_meta))
+    b = _copied_cell(tmp_path, "b2", records, _replaced(trace, "digest", digest).replace_schema_metadata(score_meta))
+    assert locate(a, b).first_by_prompt[pid] == (early, prompt_len + 1)
+    # Generate again: the logits of decode step 1 (position prompt_len, record row prompt_len + 1)
+    # are computed before decode step 2's first module.
+    row_digest = records.column("row_digest").to_numpy().copy()
+    row_digest[mine & (pos == prompt_len + 1)] ^= 1
+    only_decode = digest.copy()
+    only_decode[prefill_late] -= 1
+    a = _copied_cell(tmp_path, "a3", records, trace)
+    b = _copied_cell(tmp_path, "b3", _replaced(records, "row_digest", row_digest), _replaced(trace, "digest", only_decode))
+    assert locate(a, b).first_by_prompt[pid] == ("lm_head", prompt_len)

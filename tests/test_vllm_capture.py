@@ -21,9 +21,13 @@ def _out(request_id, prompt, tokens):
 
 
 def _captured(steps):
-    """steps: (req_ids, ids rows, logprob rows, sampled) -> what repaudit_capture_end returns."""
+    """steps: (req_ids, ids rows, logprob rows, sampled) -> what repaudit_capture_end returns (each
+    row's argmax: the lowest id among its largest logprobs)."""
+    def argmax(ids, lps):
+        return torch.tensor([min(i for i, v in zip(row, vals) if v == max(vals)) for row, vals in zip(ids, lps)])
+
     return vllm_capture.pack([(r, torch.tensor(i, dtype=torch.int64), torch.tensor(lp, dtype=torch.float32),
-                               torch.tensor(s, dtype=torch.int32)) for r, i, lp, s in steps])
+                               torch.tensor(s, dtype=torch.int32), argmax(i, lp)) for r, i, lp, s in steps])
 
 
 def test_captured_steps_become_each_requests_rows_in_step_order():
@@ -106,12 +110,35 @@ def test_the_hook_asks_vllms_kernel_for_the_sampled_token_and_the_top_k_and_keep
     assert packed["req_ids"] == ["a", "b", "c"] and got["code"].tolist() == [0, 1, 2, 2, 0, 1]
     assert got["ids"][:3].tolist() == [[1, 1, 3], [0, 0, 1], [3, 3, 2]]  # sampled, then top-2, from step 1's buffer
     assert got["ids"][3:, 0].tolist() == [2, 3, 0] and got["sampled"].tolist() == [1, 0, 1, 1, 0, 1]
+    assert got["top1"].tolist() == [1, 0, 3, 2, 3, 0]  # each row's argmax
     want = torch.log_softmax(logits, -1).gather(1, torch.tensor([[1, 1, 3], [0, 0, 1], [3, 3, 2]]))
     assert got["logprobs"][:3].view(np.uint32).tolist() == want.numpy().view(np.uint32).tolist()
     assert [c.shape for c in fake_vllm_logprob] == [(3, 3), (3, 3)]
     assert vllm_capture.unpack(worker.repaudit_capture_end())["code"].shape == (0,)  # end() turned the capture off and emptied it
     sampler(logits, NS(req_ids=["a", "b", "c"]))
     assert vllm_capture._state.steps == []
+
+
+def test_top1_is_the_lowest_id_of_a_tie_the_top_k_left_out(fake_vllm_logprob):
+    """Three tokens share the row's largest logit and the top-2 names the two higher ids (torch.topk
+    on a GPU may): the record's top1 is still the lowest id, as the transformers engine gives it."""
+    class Sampler:
+        def __call__(self, logits, input_batch):
+            return NS(sampled_token_ids=logits.argmax(-1, keepdim=True), logprobs_tensors=None, num_sampled=None)
+
+    worker = _worker(Sampler())
+    assert worker.repaudit_capture_begin(2)
+    real_topk = torch.topk
+    try:  # a top-k that returns the tied ids highest first
+        torch.topk = lambda x, k, dim=-1: real_topk(x + torch.arange(x.shape[-1]) * 1e-6, k, dim=dim)
+        Sampler()(torch.tensor([[0.0, 2.0, 2.0, 2.0, 1.0]]), NS(req_ids=["a-12345678"]))
+    finally:
+        torch.topk = real_topk
+    packed = worker.repaudit_capture_end()
+    assert vllm_capture.unpack(packed)["ids"].tolist() == [[1, 3, 2]]
+    out = NS(request_id="a-12345678", prompt_token_ids=[5, 6], outputs=[NS(token_ids=[1])])
+    row, = vllm_capture.rows_from_capture([out], packed, ["p"], [2], topk=2)
+    assert row.top1.tolist() == [1] and row.topk_ids.tolist() == [[2, 3]]
 
 
 def test_the_hook_steps_aside_where_it_cannot_capture(fake_vllm_logprob):

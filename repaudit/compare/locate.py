@@ -1,10 +1,15 @@
 """`repaudit locate A B`: which module first changes the bits, and how the difference grows.
 
 Reads the two cells' traces (cells/<cell>.trace.parquet, written by `repaudit run --trace`),
-aligns them on (prompt, position, module) and compares digests. Per prompt, the first
-divergence is the earliest module in execution order whose output differs at any position;
+aligns them on (prompt, position, module) and compares digests. The lm_head is not traced: its
+output, the logits row of position p, is compared through the records' row digests (the record
+row at p + 1 holds it), as the module after every traced one. Per prompt, the first divergence
+is the differing output earliest in execution order: the earliest forward (a generate cell's
+prefill, then its decode steps one by one), in it the earliest module, then the lowest position;
+the run's first divergence is the earliest forward and module over all prompts. Per module,
 per module, the table counts differing positions and the largest ULP distance among the
-sampled features (a lower bound on the row's largest distance). Separately, each trace says
+sampled features (a lower bound on the row's largest distance; for the lm_head, the distance of
+the recorded token's logprob where both cells recorded the same token). Separately, each trace says
 where its own ranks disagreed on an output every rank should hold whole (a replicated one):
 "ranks disagree at module X" is a divergence inside one cell, reported before any other.
 
@@ -35,7 +40,8 @@ import pyarrow.parquet as pq
 
 from ..errors import InputError
 from ..record.floats import ulp_distance_bits
-from ..record.tracefile import KEY_CELL, KEY_MODULES, KEY_VERSION, READABLE_VERSIONS, record_path, trace_path
+from ..record.tracefile import KEY_CELL, KEY_MODULES, KEY_VERSION, READABLE_VERSIONS, trace_path
+from .locate_records import LM_HEAD, dictionary_codes, forks, forward_index, lm_head_rows, read_records
 
 
 @dataclass
@@ -118,9 +124,11 @@ class LocateResult:
     routing: RoutingDiff | None = None  # MoE models only
     after_fork: int = 0  # positions left out: at or after a sequence's first differing token
 
+    first_module: str | None = None  # the earliest differing output in execution order (module doc)
+
     @property
     def first(self) -> ModuleDiff | None:
-        return next((m for m in self.modules if m.differing), None)
+        return next((m for m in self.modules if m.name == self.first_module), None)
 
     @property
     def diverged(self) -> bool:
@@ -148,6 +156,7 @@ class LocateResult:
     def to_dict(self) -> dict[str, Any]:
         return {
             "a": self.a, "b": self.b, "cell_a": self.cell_a, "cell_b": self.cell_b, "summary": self.sentence(),
+            "first_module": self.first_module,
             "first_by_prompt": {k: (None if v is None else {"module": v[0], "pos": v[1]}) for k, v in self.first_by_prompt.items()},
             "modules": [m.__dict__ for m in self.modules], "only_in_one": self.only_in_one,
             "rank_disagreements": [d.__dict__ for d in self.rank_disagreements],
@@ -192,22 +201,14 @@ def _read_once(path: Path, traces: dict[str, tuple] | None) -> tuple[pa.Table, d
     return traces[str(path)]
 
 
-def _codes(table: pa.Table, name: str) -> tuple[np.ndarray, list[str]]:
-    """A dictionary column as (codes, values), without building a string per row."""
-    arr = table.column(name).combine_chunks()
-    if not pa.types.is_dictionary(arr.type):
-        arr = arr.dictionary_encode()
-    return arr.indices.to_numpy(zero_copy_only=False).astype(np.int64), arr.dictionary.to_pylist()
-
-
 def _max_pos(*tables: pa.Table) -> int:
     return max([int(pc.max(t.column("pos")).as_py() or 0) for t in tables if len(t)] or [0])
 
 
 def _keys(table: pa.Table, prompts: dict[str, int], modules: dict[str, int], max_pos: int) -> np.ndarray:
     """(prompt, module, pos) of each row as one int64, in a numbering both traces share."""
-    p_codes, p_values = _codes(table, "prompt_id")
-    m_codes, m_values = _codes(table, "module")
+    p_codes, p_values = dictionary_codes(table, "prompt_id")
+    m_codes, m_values = dictionary_codes(table, "module")
     p = np.array([prompts[v] for v in p_values], dtype=np.int64)[p_codes]
     m = np.array([modules[v] for v in m_values], dtype=np.int64)[m_codes]
     pos = table.column("pos").to_numpy().astype(np.int64)
@@ -225,19 +226,21 @@ def locate(path_a: str | Path, path_b: str | Path, traces: dict[str, tuple] | No
     pa_, pb_ = trace_path(path_a), trace_path(path_b)
     ta, cell_a, mods_a = _read_once(pa_, traces)
     tb, cell_b, mods_b = _read_once(pb_, traces)
-    prompt_names = sorted(set(_codes(ta, "prompt_id")[1]) | set(_codes(tb, "prompt_id")[1]))
-    module_names = sorted(set(_codes(ta, "module")[1]) | set(_codes(tb, "module")[1]))
+    prompt_names = sorted(set(dictionary_codes(ta, "prompt_id")[1]) | set(dictionary_codes(tb, "prompt_id")[1]))
+    module_names = sorted(set(dictionary_codes(ta, "module")[1]) | set(dictionary_codes(tb, "module")[1]))
     prompts = {v: i for i, v in enumerate(prompt_names)}
     codes = {v: i for i, v in enumerate(module_names)}
-    max_pos = _max_pos(ta, tb)
-    if len(prompts) * len(codes) * (max_pos + 1) >= 1 << 62:
+    records = read_records(pa_, pb_)
+    max_pos = _max_pos(ta, tb, *records)
+    if len(prompts) * (len(codes) + 1) * (max_pos + 1) >= 1 << 62:
         raise InputError(f"{pa_}: too many prompts, modules and positions to align in one key")
     ka, kb = _keys(ta, prompts, codes, max_pos), _keys(tb, prompts, codes, max_pos)
     _, ia, ib = np.intersect1d(ka, kb, assume_unique=True, return_indices=True)
     key = ka[ia]
     module = (key // (max_pos + 1)) % len(codes)
     prompt, pos = key // (max_pos + 1) // len(codes), key % (max_pos + 1)
-    same_inputs = pos < _forks(pa_, pb_, prompts, max_pos + 1)[prompt]
+    fork = forks(records, prompts, max_pos + 1)
+    same_inputs = pos < fork[prompt]
     after_fork = len(np.unique((prompt * (max_pos + 1) + pos)[~same_inputs]))
     ia, ib, key, module, prompt, pos = (x[same_inputs] for x in (ia, ib, key, module, prompt, pos))
     routers = sorted((n for n in mods_a if n in mods_b and n in codes and mods_a[n].get("routing")),
@@ -268,47 +271,33 @@ def locate(path_a: str | Path, path_b: str | Path, traces: dict[str, tuple] | No
         modules.append(ModuleDiff(name=name, order=int(mods_a[name]["order"]), style=mods_a[name].get("style"),
                                  compared=int(compared[c]) if c is not None else 0, differing=len(d),
                                  max_ulp=max_ulp, nan_mismatch=nan))
-    # Per prompt, the differing row earliest in execution order, then in position.
-    order_of = np.full(len(codes), 1 << 30, dtype=np.int64)
+    order_of = np.full(len(codes) + 1, 1 << 30, dtype=np.int64)
     for m in modules:
         order_of[codes[m.name]] = m.order
+    order = order_of[module]
+    head = lm_head_rows(records, prompts, fork, max_pos)
+    if head is not None:
+        head_order = max((m.order for m in modules), default=-1) + 1
+        modules.append(ModuleDiff(name=LM_HEAD, order=head_order, style=None, compared=len(head.prompt),
+                                  differing=int(head.differ.sum()), max_ulp=head.max_ulp, nan_mismatch=head.nan))
+        prompt, pos, differ = (np.concatenate(x) for x in ((prompt, head.prompt), (pos, head.pos), (differ, head.differ)))
+        order = np.concatenate((order, np.full(len(head.prompt), head_order, dtype=np.int64)))
+        module = np.concatenate((module, np.full(len(head.prompt), len(codes), dtype=np.int64)))
+    names = [*module_names, LM_HEAD]
+    forward = forward_index(pos, prompt, records, prompts, cell_a)
+
     first: dict[str, tuple[str, int] | None] = {prompt_names[p]: None for p in np.unique(prompt)}
     d = np.flatnonzero(differ)
-    d = d[np.lexsort((pos[d], order_of[module[d]], prompt[d]))]
+    d = d[np.lexsort((pos[d], order[d], forward[d], prompt[d]))]
     if len(d):
         lead = d[np.concatenate(([True], prompt[d][1:] != prompt[d][:-1]))]
         for i in lead:
-            first[prompt_names[prompt[i]]] = (module_names[module[i]], int(pos[i]))
+            first[prompt_names[prompt[i]]] = (names[module[i]], int(pos[i]))
+    first_module = names[module[d[np.lexsort((order[d], forward[d]))[0]]]] if len(d) else None
     only = sorted(set(mods_a) ^ set(mods_b))
     disagreements = _rank_disagreements("A", cell_a, mods_a) + _rank_disagreements("B", cell_b, mods_b)
-    return LocateResult(str(pa_), str(pb_), cell_a, cell_b, modules, first, only, disagreements, routing, after_fork)
-
-
-def _forks(trace_a: Path, trace_b: Path, prompts: dict[str, int], none: int) -> np.ndarray:
-    """Per prompt (numbered as `prompts`), the first position whose token differs between the
-    two cells' records, or `none` where no token differs or a record file is not there."""
-    fork = np.full(len(prompts), none, dtype=np.int64)
-    tables = []
-    for trace in (trace_a, trace_b):
-        record = record_path(trace)
-        if not record.is_file():
-            return fork
-        try:
-            tables.append(pq.ParquetFile(record).read(columns=["prompt_id", "pos", "token_id"]))
-        except (pa.ArrowException, OSError, ValueError, KeyError) as exc:
-            raise InputError(f"{record}: unreadable record ({type(exc).__name__})") from None
-    span = _max_pos(*tables) + 1
-    keys, tokens = [], []
-    for table in tables:
-        codes, values = _codes(table, "prompt_id")
-        prompt = np.array([prompts.get(v, -1) for v in values], dtype=np.int64)[codes]
-        traced = prompt >= 0
-        keys.append(prompt[traced] * span + table.column("pos").to_numpy().astype(np.int64)[traced])
-        tokens.append(table.column("token_id").to_numpy()[traced])
-    common, ia, ib = np.intersect1d(keys[0], keys[1], assume_unique=True, return_indices=True)
-    flipped = common[tokens[0][ia] != tokens[1][ib]]
-    np.minimum.at(fork, flipped // span, flipped % span)
-    return fork
+    return LocateResult(str(pa_), str(pb_), cell_a, cell_b, modules, first, only, disagreements, routing, after_fork,
+                        first_module)
 
 
 def _routing(ta: pa.Table, tb: pa.Table, routers: list[tuple[str, dict[str, Any], np.ndarray]], ia: np.ndarray,

@@ -20,10 +20,13 @@ from .result import Thresholds, json_float
 
 
 def tokens_per_s(timing: dict[str, Any] | None, mode: str) -> float | None:
-    """A cell's engine tokens/s: decoding for generate, prefill for score."""
+    """A cell's engine tokens/s. generate: every generated token over the time of prefill and
+    decoding (how vLLM counts throughput; an engine that splits the two, as the transformers
+    engine does, and one that interleaves them, as vLLM does, give the same measure); score:
+    the scored tokens over the prefill. None where nothing was generated or timed."""
     if not timing:
         return None
-    return timing.get("decode_tokens_per_s") if mode == "generate" else timing.get("prefill_tokens_per_s")
+    return timing.get("generated_tokens_per_s") if mode == "generate" else timing.get("prefill_tokens_per_s")
 
 
 def summarize(plan: Plan, run_dir: Path, manifest: Manifest, thresholds: Thresholds) -> dict[str, Any]:

@@ -57,12 +57,16 @@ class Timing:
     prefill_tokens: int = 0
     decode_s: float = 0.0
     decode_tokens: int = 0
+    # Every generated token, the first ones (which come out of the prefill) too: a generate
+    # cell's tokens/s is these over prefill and decode time, whatever the engine's split.
+    generated_tokens: int = 0
 
     def add(self, other: "Timing") -> None:
         self.prefill_s += other.prefill_s
         self.prefill_tokens += other.prefill_tokens
         self.decode_s += other.decode_s
         self.decode_tokens += other.decode_tokens
+        self.generated_tokens += other.generated_tokens
 
     def as_dict(self) -> dict[str, float | int | None]:
         rate = lambda n, s: n / s if s > 0 else None  # noqa: E731
@@ -71,4 +75,7 @@ class Timing:
             "prefill_tokens_per_s": rate(self.prefill_tokens, self.prefill_s),
             "decode_s": self.decode_s, "decode_tokens": self.decode_tokens,
             "decode_tokens_per_s": rate(self.decode_tokens, self.decode_s),
+            "generated_tokens": self.generated_tokens,
+            "generated_tokens_per_s": rate(self.generated_tokens, self.prefill_s + self.decode_s)
+            if self.generated_tokens else None,
         }

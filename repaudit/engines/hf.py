@@ -398,7 +398,8 @@ def generate(hfm: HFModel, batch: list[Sequence], topk: int) -> tuple[list[Token
             hfm.tracer.end()
     gen_len = gen_len.cpu().numpy()
     timing.decode_s = time.perf_counter() - t1
-    timing.decode_tokens = int(gen_len.sum()) - B  # every row's first token came from the prefill
+    timing.generated_tokens = int(gen_len.sum())
+    timing.decode_tokens = timing.generated_tokens - B  # every row's first token came from the prefill
     if graphed is not None and graphed.failed:
         warnings.warn(f"decode steps ran without a CUDA graph (same bits, slower): {graphed.failed}", stacklevel=2)
 

@@ -32,7 +32,7 @@ EXTENSION = "repaudit.engines.vllm_capture.CaptureWorker"
 @dataclass
 class _Capture:
     k: int | None = None  # logprobs per row while capturing, else None
-    steps: list = field(default_factory=list)  # (req_ids, ids [n, 1+k], logprobs [n, 1+k], sampled [n])
+    steps: list = field(default_factory=list)  # (req_ids, ids [n, 1+k], logprobs [n, 1+k], sampled [n], top1 [n])
     broken: str | None = None
 
 
@@ -59,7 +59,10 @@ def _sampling_with_capture(call):
             # looked up now, so a tbik cell gets the plugin's log-softmax).
             ids = torch.cat((first, torch.topk(logits, _state.k, dim=-1).indices), dim=1) if _state.k else first
             lps = logprob.compute_token_logprobs(logits, ids)
-        _state.steps.append((list(input_batch.req_ids), ids, lps, sampled))
+            # The record's top1 is the lowest id among the row's largest values (argmax gives the
+            # first); the top-k's tied entries need not hold it when three or more tie at the top.
+            top1 = logits.argmax(dim=-1)
+        _state.steps.append((list(input_batch.req_ids), ids, lps, sampled, top1))
         return out
 
     sample._repaudit_capture = True
@@ -152,24 +155,32 @@ def pack(steps: list) -> dict:
     codes: dict[str, int] = {}
     row_codes = [codes.setdefault(r, len(codes)) for req_ids, *_ in steps for r in req_ids]
     if not steps:
-        return pack_arrays([], np.zeros(0), np.zeros((0, 1)), np.zeros((0, 1)), np.zeros(0))
-    return pack_arrays(list(codes), np.asarray(row_codes), torch.cat([s[1] for s in steps]).cpu().numpy(),
-                       torch.cat([s[2] for s in steps]).float().cpu().numpy(), torch.cat([s[3] for s in steps]).cpu().numpy())
+        return pack_arrays([], np.zeros(0), np.zeros((0, 1)), np.zeros((0, 1)), np.zeros(0), np.zeros(0))
+    column = lambda i: torch.cat([s[i] for s in steps]).cpu().numpy()  # noqa: E731
+    return pack_arrays(list(codes), np.asarray(row_codes), column(1), torch.cat([s[2] for s in steps]).float().cpu().numpy(),
+                       column(3), column(4))
 
 
-def pack_arrays(req_ids: list[str], code: np.ndarray, ids: np.ndarray, logprobs: np.ndarray, sampled: np.ndarray) -> dict:
-    return {"req_ids": list(req_ids), "width": int(ids.shape[1]),
-            "code": np.ascontiguousarray(code, dtype=np.int32).tobytes(),
-            "ids": np.ascontiguousarray(ids, dtype=np.int64).tobytes(),
-            "logprobs": np.ascontiguousarray(logprobs, dtype=np.float32).tobytes(),
-            "sampled": np.ascontiguousarray(sampled, dtype=np.int32).tobytes()}
+def pack_arrays(req_ids: list[str], code: np.ndarray, ids: np.ndarray, logprobs: np.ndarray, sampled: np.ndarray,
+                top1: np.ndarray | None = None) -> dict:
+    packed = {"req_ids": list(req_ids), "width": int(ids.shape[1]),
+              "code": np.ascontiguousarray(code, dtype=np.int32).tobytes(),
+              "ids": np.ascontiguousarray(ids, dtype=np.int64).tobytes(),
+              "logprobs": np.ascontiguousarray(logprobs, dtype=np.float32).tobytes(),
+              "sampled": np.ascontiguousarray(sampled, dtype=np.int32).tobytes()}
+    if top1 is not None:
+        packed["top1"] = np.ascontiguousarray(top1, dtype=np.int64).tobytes()
+    return packed
 
 
 def unpack(packed: dict) -> dict[str, np.ndarray]:
     w = packed["width"]
-    return {"code": np.frombuffer(packed["code"], np.int32), "ids": np.frombuffer(packed["ids"], np.int64).reshape(-1, w),
-            "logprobs": np.frombuffer(packed["logprobs"], np.float32).reshape(-1, w),
-            "sampled": np.frombuffer(packed["sampled"], np.int32)}
+    got = {"code": np.frombuffer(packed["code"], np.int32), "ids": np.frombuffer(packed["ids"], np.int64).reshape(-1, w),
+           "logprobs": np.frombuffer(packed["logprobs"], np.float32).reshape(-1, w),
+           "sampled": np.frombuffer(packed["sampled"], np.int32)}
+    if "top1" in packed:  # captures recorded before it was kept have none
+        got["top1"] = np.frombuffer(packed["top1"], np.int64)
+    return got
 
 
 def _external_id(internal: str, known: set[str]) -> str:
@@ -191,6 +202,7 @@ def rows_from_capture(outs: list, packed: dict, prompt_ids: list[str], prompt_le
     keep = captured["sampled"] > 0
     code, ids, lps = captured["code"][keep], captured["ids"][keep], captured["logprobs"][keep]
     top_ids, top_lps = canonical_topk(ids[:, 1:], lps[:, 1:])  # every row at once
+    top1 = captured["top1"][keep] if "top1" in captured else top_ids[:, 0]
     order = np.argsort(code, kind="stable")
     starts = np.searchsorted(code[order], np.arange(len(packed["req_ids"]) + 1))
     known = {o.request_id for o in outs}
@@ -205,6 +217,6 @@ def rows_from_capture(outs: list, packed: dict, prompt_ids: list[str], prompt_le
         first = len(out.prompt_token_ids)
         rows.append(TokenRows(prompt_id=pid, prompt_len=plen, pos=np.arange(first, first + len(token), dtype=np.int32),
                               token_id=token.astype(np.int32), logprob=lps[at, 0].astype(np.float32),
-                              top1=top_ids[at, 0].astype(np.int32), topk_ids=top_ids[at, :topk].astype(np.int32),
+                              top1=top1[at].astype(np.int32), topk_ids=top_ids[at, :topk].astype(np.int32),
                               topk_logprobs=top_lps[at, :topk].astype(np.float32), digest=None))
     return rows

@@ -314,7 +314,7 @@ def _run_groups(plan, opts, run_dir, manifest, settings, already, prompts, ref, 
                                       **{k: ev[k] for k in _CELL_NUMBERS})
                 progress.advance(cells_task)
                 t = ev["timing"]
-                rate = t.get("decode_tokens_per_s") or t.get("prefill_tokens_per_s")
+                rate = t.get("generated_tokens_per_s") or t.get("prefill_tokens_per_s")  # generate, else score
                 progress.console.print(f"[green]done[/] {cid}  {ev['seconds']:.1f}s" + (f"  {rate:,.0f} tok/s" if rate else ""))
             elif kind == "cell_failed":
                 progress.console.print(f"[red]failed[/] {cid}: {escape(ev['reason'])}")

@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .launcher import CachedKernel
+
 _SUM_BLOCK = 1024
 
 
@@ -24,6 +26,11 @@ def _tree_sum_kernel(x_ptr, out_ptr, numel, P: tl.constexpr, LOG_P: tl.constexpr
     tl.store(out_ptr + offs, tl.reshape(vals, (BLOCK,)), mask=mask)
 
 
+# Triton's own launch binds every argument in Python, some 25 us a call: as much as NCCL's whole
+# all-gather of a decode step's partials, which the sum follows.
+_kernel = CachedKernel(_tree_sum_kernel)
+
+
 def tree_sum(stacked: torch.Tensor) -> torch.Tensor:
     p = stacked.shape[0]
     flat = stacked.reshape(p, -1).contiguous()
@@ -31,5 +38,5 @@ def tree_sum(stacked: torch.Tensor) -> torch.Tensor:
     numel = flat.shape[1]
     if numel:
         grid = (triton.cdiv(numel, _SUM_BLOCK),)
-        _tree_sum_kernel[grid](flat, out, numel, P=p, LOG_P=p.bit_length() - 1, BLOCK=_SUM_BLOCK, num_warps=4)
+        _kernel(grid, (flat, out, numel), dict(P=p, LOG_P=p.bit_length() - 1, BLOCK=_SUM_BLOCK, num_warps=4))
     return out
