@@ -190,11 +190,12 @@ def accuracy() -> str:
 # ---------------------------------------------------------------- bench
 
 
-def strategy(x, w, k, num_chunks=tbik.NUM_CHUNKS) -> int:
-    """The SPLIT tree_matmul picks for x @ w.t() (execution strategy, never the bits)."""
-    plan = tm._plan(x.dtype, x.device, x.shape[0], w.shape[0], k, num_chunks, k // num_chunks, False, None,
+def strategy(x, w, k, num_chunks=tbik.NUM_CHUNKS) -> int | str:
+    """What tree_matmul runs for x @ w.t() (execution strategy, never the bits): "ws" for the
+    warp-specialized kernel (tl/matmul_ws.py), else the SPLIT of tl/matmul.py's kernel."""
+    plan = tm._plan(x.dtype, x.dtype, x.device, x.shape[0], w.shape[0], k, num_chunks, k // num_chunks, False, None,
                     tm._tma_fits(x, w.t()))
-    return plan.meta["SPLIT"]
+    return "ws" if plan.gluon else plan.meta["SPLIT"]
 
 
 def host_overhead_us(fn, n=200) -> float:

@@ -129,7 +129,7 @@ def test_tma_loads_give_the_pointer_loads_bits():
     x, w = operands(300, HIDDEN, MLP, seed=9)
     x_cols = torch.zeros(300, 2 * HIDDEN, dtype=x.dtype, device=x.device)[:, ::2].copy_(x)  # K stride 2: pointer loads
     for m in (1, 8, 32, 100, 300):
-        plan = tm._plan(x.dtype, x.device, m, MLP, HIDDEN, 8, HIDDEN // 8, False, None, tm._tma_fits(x, w.t()))
+        plan = tm._plan(x.dtype, torch.float32, x.device, m, MLP, HIDDEN, 8, HIDDEN // 8, False, 1, tm._tma_fits(x, w.t()))
         assert plan.meta["TMA"] and not tm._tma_fits(x_cols, w.t())
         for split in (1, 2, 8):
             assert_bits_equal(tbik.tree_matmul(x[:m], w.t(), out_dtype=torch.float32, _split=split),
@@ -345,3 +345,41 @@ def test_gpu_digest_kernel_equals_the_reference_digest(dtype):
     assert torch.equal(got.cpu(), cpu)
     if dtype == torch.float32:
         assert np.array_equal(got.cpu().numpy().view(np.uint64), numpy_row_digest(x[rows].cpu().numpy()))
+
+
+def test_the_warp_specialized_kernel_gives_the_tree_kernels_bits():
+    """Hopper: matmul_ws.py (Gluon, 128x128 tiles, producer warp + two MMA warpgroups) against
+    tl/matmul.py's kernel, bit for bit: every leaf count a TP shard holds, bias, bf16 and fp32
+    out, ragged M, and few output tiles (launch takes any case; tree_matmul hands it only eligible ones)."""
+    from tbik.tl import matmul_ws
+
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("matmul_ws runs on Hopper (sm_90) only")
+    for n, k in [(HIDDEN, HIDDEN), (MLP, HIDDEN), (HIDDEN, MLP)]:
+        x, w = operands(2048, k, n, seed=11)
+        bias = torch.randn(n, device="cuda").to(torch.bfloat16)
+        for m in (1, 200, 1000, 2048):
+            for out_dtype in (torch.float32, torch.bfloat16):
+                for b in (None, bias):
+                    ref = tbik.tree_matmul(x[:m], w.t(), b, out_dtype=out_dtype, _split=1)
+                    got = torch.empty(m, n, dtype=out_dtype, device="cuda")
+                    assert_bits_equal(matmul_ws.launch(x[:m], w.t(), b, got, k, 8, k // 8), ref)
+        for tp in (2, 4, 8):
+            s = k // tp
+            for r in (0, tp - 1):
+                xs, ws = x[:, r * s:(r + 1) * s], w.t()[r * s:(r + 1) * s]
+                got = torch.empty(2048, n, dtype=torch.float32, device="cuda")
+                assert_bits_equal(matmul_ws.launch(xs, ws, None, got, s, 8 // tp, s // (8 // tp)),
+                                  tbik.matmul_partial(xs, ws, tp_size=tp, _split=1))
+    # tree_matmul takes this kernel by itself where the output fills half the GPU, and not below;
+    # later calls go through the cached launch (the same binary).
+    from tbik.tl import matmul as tm
+
+    x, w = operands(2048, HIDDEN, MLP, seed=12)
+    for m, n, taken in ((2048, MLP, True), (128, MLP, True), (127, MLP, False), (8, VOCAB, False), (128, 1024, False)):
+        plan = tm._plan(x.dtype, x.dtype, x.device, m, n, HIDDEN, 8, HIDDEN // 8, False, None, True)
+        assert plan.gluon is taken
+    first = tbik.tree_matmul(x, w.t())
+    for _ in range(2):
+        assert_bits_equal(tbik.tree_matmul(x, w.t()), first)
+    assert matmul_ws._kernel.direct and matmul_ws._kernel.compiled

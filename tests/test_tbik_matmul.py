@@ -118,7 +118,7 @@ def test_tma_loads_give_the_pointer_loads_bits(m):
     wide[:, ::2] = x
     x_cols = wide[:, ::2]  # K stride 2: pointer loads
     assert tm._tma_fits(x, w.t()) and not tm._tma_fits(x_cols, w.t()) and not tm._tma_fits(x, w.t().contiguous())
-    assert tm._plan(x.dtype, x.device, m, 192, 1024, 8, 128, False, 1, True).meta["TMA"]
+    assert tm._plan(x.dtype, x.dtype, x.device, m, 192, 1024, 8, 128, False, 1, True).meta["TMA"]
     for split in (1, 2, 8):
         got = tbik.tree_matmul(x, w.t(), out_dtype=torch.float32, _split=split)
         assert_bits_equal(got, tbik.tree_matmul(x_cols, w.t(), out_dtype=torch.float32, _split=split))

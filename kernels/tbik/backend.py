@@ -44,7 +44,7 @@ def use_interpreter(on: bool = True) -> None:
         os.environ.pop("TRITON_INTERPRET", None)
     interpret.standard_library(on)
     _interpreter = on
-    for name in ("launcher", "allreduce", "norm", "softmax", "attention", "matmul", "elementwise"):  # dependencies first
+    for name in ("launcher", "allreduce", "norm", "softmax", "attention", "matmul_ws", "matmul", "elementwise"):  # dependencies first
         module = sys.modules.get(f"{__package__}.tl.{name}")
         if module is not None:
             importlib.reload(module)

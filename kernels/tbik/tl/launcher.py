@@ -16,6 +16,7 @@ from __future__ import annotations
 import warnings
 
 import torch
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 
@@ -24,6 +25,8 @@ def _spec(x):
         return x.dtype, x.data_ptr() % 16 == 0
     if isinstance(x, TensorDescriptor):  # Triton specializes on the dtype and the block shape
         return x.base.dtype, tuple(x.block_shape)
+    if isinstance(x, GluonTensorDescriptor):  # and Gluon on its shared-memory layout too
+        return x.base.dtype, tuple(x.block_shape), id(x.layout)
     if isinstance(x, bool):
         return "b", x
     if isinstance(x, int):
@@ -40,7 +43,7 @@ class CachedKernel:
     def __call__(self, grid: tuple, args: tuple, meta: dict) -> None:
         """fn[grid](*args, **meta): `args` the run-time arguments in order, `meta` the constexprs
         and the launch options."""
-        first = args[0].base if isinstance(args[0], TensorDescriptor) else args[0]
+        first = args[0].base if isinstance(args[0], (TensorDescriptor, GluonTensorDescriptor)) else args[0]
         if not self.direct or not first.is_cuda:
             self.fn[grid](*args, **meta)
             return

@@ -19,7 +19,9 @@ Operands whose rows run along K (A [M, K] and B^T [N, K], 16-byte aligned) load 
 tensor descriptors, others through pointers: the same tiles either way.
 Both strategies run the same dot instructions on the same tiles and the same fp32 additions in
 the same tree, so the choice (made from M, N and the GPU size) never changes a bit; the tests
-check this for every SPLIT.
+check this for every SPLIT. On Hopper a third strategy takes the large-M case: matmul_ws.py, a
+warp-specialized Gluon kernel with 128x128 tiles (one TMA producer warp, two MMA warpgroups),
+again the same k16 MMA steps per leaf and the same tree.
 
 The tile configuration depends only on the dtype and the chunk width, never on M, N or the TP
 size: a row's result must not depend on how many rows come with it (batch invariance), a
@@ -305,6 +307,7 @@ class _Plan(NamedTuple):
     ws_numel: int  # fp32 elements of the SPLIT partials (0: none)
     scratch_numel: int  # fp32 elements of the per-program tree scratch (0: none)
     meta: dict
+    gluon: bool = False  # matmul_ws.py's kernel takes the launch (then nothing above is used)
 
 
 def _tma_fits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -315,8 +318,13 @@ def _tma_fits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 @functools.lru_cache(maxsize=4096)
-def _plan(dtype, device, m, n, k_len, leaves, chunk_width, has_bias, split, tma_fits) -> _Plan:
+def _plan(dtype, out_dtype, device, m, n, k_len, leaves, chunk_width, has_bias, split, tma_fits) -> _Plan:
     """Everything about a launch that follows from the shapes, computed once per shape."""
+    if split is None and device.type == "cuda":
+        from . import matmul_ws
+
+        if matmul_ws.eligible(dtype, out_dtype, device, m, n, k_len, leaves, chunk_width, tma_fits):
+            return _Plan((0,), 0, 0, 0, 0, {}, gluon=True)
     cfg = _config(dtype, chunk_width)
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
@@ -368,9 +376,18 @@ _kernel = CachedKernel(_tree_matmul_kernel)
 
 
 def launch(a, b, bias, out, k_len, leaves, chunk_width, split=None):
-    """out = the tree over `leaves` chunks of width chunk_width of a @ b (+ bias), checked operands."""
+    """out = the tree over `leaves` chunks of width chunk_width of a @ b (+ bias), checked operands.
+
+    On Hopper, where the output has enough tiles to fill the GPU, the warp-specialized Gluon
+    kernel of matmul_ws.py runs instead: the same bits (the same MMA steps and tree), faster at
+    large M. `split` (tests) forces this file's kernel with that strategy."""
     m, n = out.shape
-    plan = _plan(a.dtype, a.device, m, n, k_len, leaves, chunk_width, bias is not None, split, _tma_fits(a, b))
+    plan = _plan(a.dtype, out.dtype, a.device, m, n, k_len, leaves, chunk_width, bias is not None, split,
+                 _tma_fits(a, b))
+    if plan.gluon:
+        from . import matmul_ws
+
+        return matmul_ws.launch(a, b, bias, out, k_len, leaves, chunk_width)
     # Buffers the kernel does not touch in this specialization are stood in for by `out`.
     ws = scratch = tickets = out
     if plan.ws_numel or plan.scratch_numel:
