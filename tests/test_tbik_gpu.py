@@ -371,6 +371,15 @@ def test_the_warp_specialized_kernel_gives_the_tree_kernels_bits():
                 got = torch.empty(2048, n, dtype=torch.float32, device="cuda")
                 assert_bits_equal(matmul_ws.launch(xs, ws, None, got, s, 8 // tp, s // (8 // tp)),
                                   tbik.matmul_partial(xs, ws, tp_size=tp, _split=1))
+    # Ragged N: TMA stores clip the last column tile (18992: an lm_head shard at TP=8; 1000, fp16);
+    # an output row that is not a multiple of 16 bytes (N=4095) takes the masked stores.
+    for n, dtype in ((18992, torch.bfloat16), (4095, torch.bfloat16), (1000, torch.float16)):
+        x, w = operands(1000, HIDDEN, n, dtype=dtype, seed=13)
+        bias = torch.randn(n, device="cuda").to(dtype)
+        for out_dtype in (torch.float32, dtype):
+            ref = tbik.tree_matmul(x, w.t(), bias, out_dtype=out_dtype, _split=1)
+            got = torch.empty(1000, n, dtype=out_dtype, device="cuda")
+            assert_bits_equal(matmul_ws.launch(x, w.t(), bias, got, HIDDEN, 8, HIDDEN // 8), ref)
     # tree_matmul takes this kernel by itself where the output fills half the GPU, and not below;
     # later calls go through the cached launch (the same binary).
     from tbik.tl import matmul as tm
