@@ -310,6 +310,30 @@ def test_granite_logits_scaling_is_applied(tmp_path):
     assert (old[0] - own).abs().max(dim=-1).values.median() > 0.1
 
 
+@pytest.mark.parametrize("model_type", ["gemma2", "vaultgemma"])
+def test_attention_soft_capping_is_applied(model_type, tmp_path):
+    """Gemma 2 and VaultGemma cap their attention logits; transformers' default sdpa attention
+    drops the cap without a word, so the engine loads them with eager attention: the records are
+    the logprobs of an eager forward, bit for bit, and far from sdpa's."""
+    from transformers import AutoModelForCausalLM
+
+    _save_tiny(model_type, tmp_path, attn_logit_softcapping=1.0)
+    hfm = hf.load(str(tmp_path), dtype="float32", device="cpu", tp=1, stop_ids=(), pad_id=0)
+    assert hfm.model.config._attn_implementation == "eager"
+    prompt, completion = _sequences(2)[0]
+    seq = prompt + completion
+    for name, p in hfm.model.named_parameters():  # q/k scaled up: the cap bites
+        if name.endswith(("q_proj.weight", "k_proj.weight")):
+            p.data.mul_(6.0)
+    (rows,), _ = hf.score(hfm, [Sequence("s", tuple(prompt), tuple(completion), 0)], topk=0)
+    logits, lp = _reference(hfm.model, seq)
+    _check_rows(f"{model_type} score", rows, logits[:-1], lp[:-1], np.asarray(seq[1:]))
+    sdpa = AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32, attn_implementation="sdpa")
+    sdpa.load_state_dict(hfm.model.state_dict())
+    _, sdpa_lp = _reference(sdpa, seq)
+    assert (sdpa_lp - lp).abs().max() > 1e-2  # what the records would have been
+
+
 # ----------------------------------------------------------------------------- shapes
 
 

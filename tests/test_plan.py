@@ -126,7 +126,7 @@ def test_invariant_kernels_refuse_layers_they_cannot_cover():
     validate_against_model(plan, qwen_moe, None)
     with pytest.raises(InputError, match="--tp 4 does not divide the model's 6 expert MLP width"):
         validate_against_model(expand(Matrix(model="m", tps=(4,))), replace(qwen_moe, moe_intermediate_size=6), None)
-    windowed = ModelShape("mistral", 16, 8, 192, 384, QWEN_LIKE.tp_styles, sliding_window=True)
+    windowed = ModelShape("mistral", 16, 8, 192, 384, QWEN_LIKE.tp_styles, attention="sliding-window attention")
     with pytest.raises(InputError, match="sliding-window attention is not covered"):
         validate_against_model(expand(Matrix(model="m", tps=(1,), kernels=("bi",))), windowed, None)
 

@@ -227,3 +227,17 @@ def test_cached_kernel_falls_back_to_triton_when_refused():
         launch((5,), (x, 7), meta)
     launch((5,), (x, 7), meta)
     assert [c[0] for c in calls] == ["triton", "triton", "triton"] and not launch.direct
+
+
+def test_a_triton_without_gluon_keeps_the_triton_kernel(monkeypatch):
+    """tl/matmul_ws.py needs Gluon (Triton >= 3.6); where it cannot be imported, every case stays
+    on tl/matmul.py's kernel instead of failing."""
+    import sys
+
+    import tbik.tl
+    from tbik.tl import matmul as tm
+
+    monkeypatch.delattr(tbik.tl, "matmul_ws", raising=False)
+    monkeypatch.setitem(sys.modules, "tbik.tl.matmul_ws", None)  # `import` raises ImportError
+    assert tm._gluon_eligible(torch.bfloat16, torch.bfloat16, torch.device("cuda", 0), 4096, 4096, 4096, 8, 512,
+                              True) is False

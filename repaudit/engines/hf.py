@@ -67,7 +67,7 @@ def load(path: str, *, dtype: str, device: str, tp: int, trust_remote_code: bool
          stop_ids: tuple[int, ...], pad_id: int) -> HFModel:
     from transformers import AutoModelForCausalLM
 
-    cfg_check(path, trust_remote_code)
+    cfg = cfg_check(path, trust_remote_code)
     if device == "cuda":
         local = torch.device("cuda", torch.cuda.current_device())
     else:
@@ -77,6 +77,10 @@ def load(path: str, *, dtype: str, device: str, tp: int, trust_remote_code: bool
         kwargs["tp_plan"] = "auto"
     else:
         kwargs["device_map"] = str(local)
+    if getattr(cfg.get_text_config(), "attn_logit_softcapping", None) is not None:
+        # transformers' default (sdpa) attention takes no soft-capping and would drop it without
+        # a word (Gemma 2, VaultGemma): the eager attention computes the model as it is defined.
+        kwargs["attn_implementation"] = "eager"
     model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     model.eval()
     base = _base_name(model)
@@ -109,9 +113,10 @@ VERIFIED_FAMILIES = frozenset({
 })
 
 
-def cfg_check(path: str, trust_remote_code: bool) -> None:
+def cfg_check(path: str, trust_remote_code: bool):
     """Refuse, in one line (InputError), a model whose logprobs this engine cannot prove are the
-    model's own. Reads the config only: cheap enough for the planner to call before a run starts."""
+    model's own; returns its config. Reads the config only: cheap enough for the planner to call
+    before a run starts."""
     from transformers import AutoConfig
 
     cfg = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
@@ -124,6 +129,7 @@ def cfg_check(path: str, trust_remote_code: bool) -> None:
     if model_type not in VERIFIED_FAMILIES:
         raise InputError(f"{path}: model type {model_type!r} is not one of the families whose logprobs repaudit's "
                          "transformers engine reproduces bit for bit (repaudit.engines.hf.VERIFIED_FAMILIES)")
+    return cfg
 
 
 def _base_name(model: torch.nn.Module) -> str:

@@ -24,6 +24,7 @@ from typing import Iterator
 import torch
 
 from .experts import invariant_experts, is_experts, unsupported_reason
+from .plan import attention_refusal
 from .forwards import replaced_forwards
 
 # TP styles whose forward tbik can take over or leave alone without changing invariance.
@@ -54,9 +55,9 @@ def tp_styles(model: torch.nn.Module) -> dict[str, str]:
 
 def check_supported(model: torch.nn.Module, tp: int) -> None:
     """Refuse, naming the layer, what the tree kernels cannot cover."""
-    cfg = model.config.get_text_config()
-    if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True):
-        raise UnsupportedLayer(f"sliding-window attention ({type(model).__name__}) is not covered by tbik's attention")
+    refusal = attention_refusal(model.config.get_text_config())
+    if refusal:
+        raise UnsupportedLayer(f"{refusal} ({type(model).__name__}) is not covered by tbik's attention")
     for name, module in model.named_modules():
         reason = unsupported_reason(module) if is_experts(module) else None
         if reason:
@@ -81,11 +82,22 @@ def _register_attention() -> None:
     ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION_NAME, flash_attention_mask)
 
 
+# Arguments transformers' attention functions take that change what attention computes; tbik's
+# kernel implements none of them, so a layer that passes one is refused, never run without it.
+_SEMANTIC_ARGS = {"sliding_window": "sliding-window attention", "softcap": "attention logit soft-capping",
+                  "s_aux": "attention sinks", "sinks": "attention sinks", "block_indices": "block-sparse attention",
+                  "indices": "indexer-selected sparse attention", "position_bias": "an attention position bias",
+                  "alibi_slopes": "ALiBi", "head_mask": "a head mask"}
+
+
 def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     import tbik
 
-    if kwargs.get("sliding_window"):
-        raise UnsupportedLayer(f"sliding-window attention in {type(module).__name__}")
+    for arg, what in _SEMANTIC_ARGS.items():
+        if kwargs.get(arg) is not None and kwargs.get(arg) is not False:
+            raise UnsupportedLayer(f"{what} in {type(module).__name__} is not covered by tbik's attention")
+    if kwargs.get("is_causal") is False:
+        raise UnsupportedLayer(f"bidirectional attention in {type(module).__name__} is not covered by tbik's attention")
     batch = query.shape[0]
     end = None  # the queries are the last Tq of the keys
     if attention_mask is None:

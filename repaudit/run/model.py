@@ -14,7 +14,7 @@ from .. import builtin
 from ..errors import InputError
 from ..probes import Suite
 from .jobspec import PromptSpec
-from .plan import ModelShape
+from .plan import ModelShape, attention_refusal
 
 DEFAULT_MAX_NEW_TOKENS = 32
 
@@ -139,7 +139,7 @@ def model_shape(ref: ModelRef, trust_remote_code: bool) -> tuple[ModelShape, int
         model_type=full.model_type, num_attention_heads=cfg.num_attention_heads,
         num_key_value_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
         intermediate_size=getattr(cfg, "intermediate_size", 0) or 0, vocab_size=cfg.vocab_size, tp_styles=styles,
-        sliding_window=bool(getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True)),
+        attention=attention_refusal(cfg),
         moe_intermediate_size=getattr(cfg, "moe_intermediate_size", 0) or 0,
     )
     return shape, getattr(cfg, "max_position_embeddings", None)

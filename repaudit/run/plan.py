@@ -274,8 +274,32 @@ class ModelShape:
     intermediate_size: int
     vocab_size: int
     tp_styles: dict[str, str]
-    sliding_window: bool = False
+    attention: str | None = None  # what makes its attention other than causal over the whole sequence
     moe_intermediate_size: int = 0  # an expert's MLP width, where the config names one apart
+
+
+# Layer types whose attention sees other keys than every earlier one of the sequence.
+_MASKED_LAYER_TYPES = ("sliding", "chunk", "sparse")
+
+
+def attention_refusal(cfg) -> str | None:
+    """What in the config makes attention other than causal over the whole sequence, which is
+    all tbik's attention computes (None: nothing). With per-layer types the types decide; a
+    window without them applies to every layer unless use_sliding_window turns it off."""
+    types = getattr(cfg, "layer_types", None)
+    if types:
+        masked = sorted({t for t in types if any(word in str(t) for word in _MASKED_LAYER_TYPES)})
+        if masked:
+            return f"attention layers of type {', '.join(masked)}"
+    elif getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True):
+        return "sliding-window attention"
+    if getattr(cfg, "attention_chunk_size", None):
+        return f"chunked attention (chunks of {cfg.attention_chunk_size} tokens)"
+    if getattr(cfg, "index_topk", None):
+        return "indexer-selected sparse attention (DSA)"
+    if getattr(cfg, "keep_window_size", None):
+        return "dynamic-mask attention"
+    return None
 
 
 # TP styles the invariant kernel modes cover (see repaudit/kernelmodes.py). A fused experts
@@ -300,8 +324,8 @@ def validate_against_model(plan: Plan, shape: ModelShape, visible_devices: int |
             raise InputError(f"model type {shape.model_type!r} has no tensor-parallel plan in transformers; use --tp 1")
     invariant = [k for k in plan.matrix.kernels if k != "stock"]
     if invariant:
-        if shape.sliding_window:
-            raise InputError(f"--kernels {','.join(invariant)}: {shape.model_type}'s sliding-window attention is not covered by tbik's attention")
+        if shape.attention:
+            raise InputError(f"--kernels {','.join(invariant)}: {shape.model_type}'s {shape.attention} is not covered by tbik's attention")
         if any(c.tp > 1 for c in plan.cells):
             for layer, style in sorted(shape.tp_styles.items()):
                 if style not in INVARIANT_STYLES:

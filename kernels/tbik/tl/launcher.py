@@ -16,8 +16,12 @@ from __future__ import annotations
 import warnings
 
 import torch
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
 from triton.tools.tensor_descriptor import TensorDescriptor
+
+try:
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
+except ImportError:  # a Triton without Gluon: tl/matmul_ws.py never runs, nothing to launch
+    GluonTensorDescriptor = TensorDescriptor
 
 
 def _spec(x):

@@ -317,14 +317,20 @@ def _tma_fits(a: torch.Tensor, b: torch.Tensor) -> bool:
             and a.stride(0) * e % 16 == 0 and b.stride(1) * e % 16 == 0)
 
 
+def _gluon_eligible(*case) -> bool:
+    try:
+        from . import matmul_ws
+    except ImportError:  # a Triton without Gluon
+        return False
+    return matmul_ws.eligible(*case)
+
+
 @functools.lru_cache(maxsize=4096)
 def _plan(dtype, out_dtype, device, m, n, k_len, leaves, chunk_width, has_bias, split, tma_fits) -> _Plan:
     """Everything about a launch that follows from the shapes, computed once per shape."""
-    if split is None and device.type == "cuda":
-        from . import matmul_ws
-
-        if matmul_ws.eligible(dtype, out_dtype, device, m, n, k_len, leaves, chunk_width, tma_fits):
-            return _Plan((0,), 0, 0, 0, 0, {}, gluon=True)
+    if split is None and device.type == "cuda" and _gluon_eligible(dtype, out_dtype, device, m, n, k_len, leaves,
+                                                                   chunk_width, tma_fits):
+        return _Plan((0,), 0, 0, 0, 0, {}, gluon=True)
     cfg = _config(dtype, chunk_width)
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)

@@ -232,9 +232,13 @@ def _out_layout(dtype):
 _GL_DTYPES = {torch.float32: gl.float32, torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
 
+# Gluon's API moves between Triton releases; the kernel is written and checked against 3.6.
+_TRITON_OK = tuple(int(p) for p in triton.__version__.split(".")[:2]) >= (3, 6)
+
+
 @functools.lru_cache(maxsize=None)
 def _hopper(device) -> bool:
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+    return _TRITON_OK and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
 
 
 def eligible(dtype, out_dtype, device, m, n, k_len, leaves, chunk_width, tma_fits) -> bool:
