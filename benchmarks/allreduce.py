@@ -6,7 +6,7 @@ One process per GPU with NCCL when CUDA is there, else CPU processes with gloo. 
 row-parallel layer's output at Qwen3-8B's hidden size 4096: [T, 4096] for T = 1, 8, 32 (decode
 batch) and 2048 (prefill). Rows: the stock all_reduce in bf16 (what a TP engine sends) and in
 fp32 (the tree's partials are fp32), and tree_all_reduce in fp32 by each algorithm
-(tbik.allreduce.ALGORITHMS: "gather", "halving"). Before timing, every rank checks that each
+(tbik.allreduce.ALGORITHMS: "gather", "halving", and "pair" at P=2). Before timing, every rank checks that each
 algorithm gave identical bits on all ranks, equal to tbik.tree_sum of all partials.
 
 Two timings per row, median over --iters: "eager" (one call launched from Python, ranks lined up
@@ -107,28 +107,29 @@ def main() -> None:
     device = torch.device("cuda" if cuda else "cpu")
     gen = torch.Generator(device=device).manual_seed(1234 + rank)
 
+    algorithms = [a for a in ALGORITHMS if a != "pair" or world == 2]  # pair adds exactly two partials
     rows = []
     for label, tokens in ROWS:
         partial = torch.randn(tokens, HIDDEN, generator=gen, device=device) * (rank + 1)
         half = partial.bfloat16()
-        for algorithm in ALGORITHMS:
+        for algorithm in algorithms:
             check_bits(partial, world, algorithm)
         calls = {"all_reduce_bf16": lambda: dist.all_reduce(half.clone()), "all_reduce_fp32": lambda: dist.all_reduce(partial.clone()),
-                 **{f"tree_{a}": (lambda a=a: tbik.tree_all_reduce(partial, algorithm=a)) for a in ALGORITHMS}}
+                 **{f"tree_{a}": (lambda a=a: tbik.tree_all_reduce(partial, algorithm=a)) for a in algorithms}}
         timings = [("eager", 1, calls)]
         if cuda:
             timings.append(("graph", GRAPH_CALLS, {k: graphed(fn) for k, fn in calls.items()}))
         for timing, per_run, fns in timings:
             row = {"message": label, "shape": [tokens, HIDDEN], "timing": timing}
             row.update({f"{k}_us": timed(fn, args.iters, cuda) / per_run for k, fn in fns.items()})
-            row.update({f"ratio_{a}": row[f"tree_{a}_us"] / row["all_reduce_fp32_us"] for a in ALGORITHMS})
+            row.update({f"ratio_{a}": row[f"tree_{a}_us"] / row["all_reduce_fp32_us"] for a in algorithms})
             rows.append(row)
 
     if rank == 0:
         backend = dist.get_backend()
         where = torch.cuda.get_device_name() if cuda else "CPU processes"
         head = ["message", "shape", "timing", "all_reduce bf16 us", "all_reduce fp32 us",
-                *(f"tree ({a}) fp32 us" for a in ALGORITHMS), *(f"tree ({a}) / fp32 all_reduce" for a in ALGORITHMS)]
+                *(f"tree ({a}) fp32 us" for a in algorithms), *(f"tree ({a}) / fp32 all_reduce" for a in algorithms)]
         lines = [f"P={world}, backend {backend}, {where}, torch {torch.__version__}; median of {args.iters} runs "
                  f"(eager: one call; graph: {GRAPH_CALLS} calls replayed from one CUDA graph, per call; each stock "
                  "all_reduce includes a .clone() of the message, as it works in place); tree_all_reduce bits (each "
@@ -136,7 +137,7 @@ def main() -> None:
                  "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         for r in rows:
             cells = [r["message"], str(r["shape"]), r["timing"], f"{r['all_reduce_bf16_us']:.1f}", f"{r['all_reduce_fp32_us']:.1f}",
-                     *(f"{r[f'tree_{a}_us']:.1f}" for a in ALGORITHMS), *(f"{r[f'ratio_{a}']:.2f}" for a in ALGORITHMS)]
+                     *(f"{r[f'tree_{a}_us']:.1f}" for a in algorithms), *(f"{r[f'ratio_{a}']:.2f}" for a in algorithms)]
             lines.append("| " + " | ".join(cells) + " |")
         text = "\n".join(lines)
         print(text, flush=True)

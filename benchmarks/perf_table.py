@@ -96,7 +96,7 @@ def _kernel_rows() -> list[list[str]]:
                         f"{s[key]:.3f}x", device, s["command"]])
     for r in _load("allreduce.json"):
         ratios = "; ".join(f"{a} {r[f'ratio_{a}']:.3f}x ({r[f'tree_{a}_us']:.1f} / {r['all_reduce_fp32_us']:.1f} us)"
-                           for a in ("gather", "halving") if f"ratio_{a}" in r)
+                           for a in ("gather", "halving", "pair") if f"ratio_{a}" in r)
         out.append([f"tbik.tree_all_reduce / all_reduce fp32 (bf16: {r['all_reduce_bf16_us']:.1f} us), P={r['P']}, "
                     f"{r['message']} {r['shape']}, {'CUDA graph replays' if r['timing'] == 'graph' else 'eager calls'}",
                     "≤ 1.3x", ratios, r["device"], r["command"]])

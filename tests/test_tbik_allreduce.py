@@ -109,23 +109,36 @@ def algorithms_worker(rank: int, world: int, port: int, results) -> None:
     tbik.use_interpreter()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        results[rank] = {(algorithm, n): tbik.tree_all_reduce(partial_of(rank, n).reshape(n, 1), algorithm=algorithm)
-                         for algorithm in ("gather", "halving") for n in SIZES}
+        got = {(algorithm, n): tbik.tree_all_reduce(partial_of(rank, n).reshape(n, 1), algorithm=algorithm)
+               for algorithm in _algorithms(world) for n in SIZES}
+        if world != 2:
+            try:
+                tbik.tree_all_reduce(partial_of(rank, 3), algorithm="pair")
+            except ValueError as err:
+                got["pair refused"] = str(err)
+        results[rank] = got
     finally:
         dist.destroy_process_group()
 
 
+def _algorithms(world: int) -> tuple[str, ...]:
+    return ("gather", "halving", "auto") + (("pair",) if world == 2 else ())
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4, 8])
-def test_both_tree_all_reduce_algorithms_give_the_tree_sums_bits_on_every_rank(world):
-    """The recursive halving (the bandwidth-optimal algorithm for TP=4 and 8) and the gather give
-    the same bits: those of tbik.tree_sum over the partials in rank order, on every rank."""
+def test_every_tree_all_reduce_algorithm_gives_the_tree_sums_bits_on_every_rank(world):
+    """The recursive halving (the bandwidth-optimal algorithm for TP=4 and 8), the gather and, at
+    P=2, the collective's own sum (one addition of two partials: no order to choose) give the
+    same bits: those of tbik.tree_sum over the partials in rank order, on every rank."""
     results = spawn(algorithms_worker, world)
     for n in SIZES:
         expected = tbik.tree_sum([partial_of(r, n) for r in range(world)]).view(torch.int32)
         flat = torch.stack([partial_of(r, n) for r in range(world)]).sum(0).view(torch.int32)
         for rank in range(world):
-            for algorithm in ("gather", "halving"):
+            if world != 2:
+                assert "adds two partials" in results[rank]["pair refused"]
+            for algorithm in _algorithms(world):
                 got = results[rank][(algorithm, n)]
                 assert got.shape == (n, 1)
                 assert torch.equal(got.reshape(-1).view(torch.int32), expected), f"{algorithm}, P={world}, n={n}, rank {rank}"

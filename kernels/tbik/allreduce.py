@@ -15,6 +15,11 @@ by one of two algorithms that give the same bits:
   not matter). Each rank then holds the finished tree of 1/P of the message, and an all-gather
   (a copy) gives everyone the whole. 2 log2(P) steps; each rank sends and receives 2(P-1)/P x
   the message, as a ring all-reduce does, where "gather" moves (P-1) x.
+- "pair" (P=2 only): the collective's own sum. The tree of two partials is one addition, and
+  fp32 addition is commutative and correctly rounded, so any all-reduce that adds the two
+  partials once gives p0 + p1 on both ranks, whatever ring, tree, protocol or channel count it
+  picks: one NCCL all-reduce, no gather, no extra kernel.
+"auto" (the default) takes "pair" at P=2 and "gather" above.
 """
 
 from __future__ import annotations
@@ -65,24 +70,32 @@ def tree_sum(partials: Sequence[torch.Tensor] | torch.Tensor) -> torch.Tensor:
     return allreduce.tree_sum(stacked if isinstance(partials, torch.Tensor) else torch.stack(list(partials)))
 
 
-ALGORITHMS = ("gather", "halving")
+ALGORITHMS = ("gather", "halving", "pair")
 
 
 def tree_all_reduce(partial: torch.Tensor, group: dist.ProcessGroup | None = None,
-                    algorithm: str = "gather") -> torch.Tensor:
+                    algorithm: str = "auto") -> torch.Tensor:
     """All-reduce over `group` whose result is the pairwise tree over ranks in rank order.
 
     Every rank returns identical bits: for P=4, (p0+p1)+(p2+p3), whichever `algorithm` (module
     doc). P must be a power of two. Works with gloo (CPU tensors) and NCCL (CUDA tensors).
     Returns a new tensor; `partial` is left as it is.
     """
-    if algorithm not in ALGORITHMS:
-        raise ValueError(f"unknown tree all-reduce algorithm {algorithm!r}: one of {', '.join(ALGORITHMS)}")
+    if algorithm not in ALGORITHMS + ("auto",):
+        raise ValueError(f"unknown tree all-reduce algorithm {algorithm!r}: auto or one of {', '.join(ALGORITHMS)}")
     world = dist.get_world_size(group)
     _check_power_of_two(world, "the process group size")
     x = partial.contiguous()
     if world == 1:
         return x.clone()
+    if algorithm == "auto":
+        algorithm = "pair" if world == 2 else "gather"
+    if algorithm == "pair":
+        if world != 2:
+            raise ValueError(f"the pair algorithm adds two partials; this group has {world} ranks")
+        out = x.clone()
+        dist.all_reduce(out, group=group)
+        return out
     if algorithm == "halving":
         return _halving(x.reshape(-1), world, group).view(x.shape)
     # Flat buffers: gloo and NCCL both accept a 1-D output of world * numel elements.
