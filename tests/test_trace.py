@@ -240,7 +240,6 @@ def test_positions_after_a_differing_token_are_left_out(traced: Path, tmp_path: 
     Made from one tbik cell copied twice: in B, the prompt's token at FORK differs in the
     records, and every module's digest at FORK and after differs in the trace."""
     import numpy as np
-    import pyarrow as pa
 
     src = cell_path(traced, "hf-tp1-bs1-default-tbik-score")
     records, trace = pq.read_table(src), pq.read_table(trace_path(src))
@@ -253,24 +252,14 @@ def test_positions_after_a_differing_token_are_left_out(traced: Path, tmp_path: 
     digest = trace.column("digest").to_numpy().copy()
     digest[later] += 1
 
-    def cell(name: str, recs: pa.Table, tr: pa.Table) -> Path:
-        path = tmp_path / f"{name}.parquet"
-        pq.write_table(recs, path)
-        pq.write_table(tr, trace_path(path))
-        return path
-
-    def replaced(table: pa.Table, column: str, values) -> pa.Table:
-        i = table.schema.get_field_index(column)
-        return table.set_column(i, table.schema.field(i), pa.array(values, type=table.schema.field(i).type))
-
-    a = cell("a", records, trace)
-    forked = cell("forked", replaced(records, "token_id", token), replaced(trace, "digest", digest))
+    a = _copied_cell(tmp_path, "a", records, trace)
+    forked = _copied_cell(tmp_path, "forked", _replaced(records, "token_id", token), _replaced(trace, "digest", digest))
     r = locate(a, forked)
     assert not r.diverged and r.after_fork == after > 0
     assert f"{after} positions at or after a sequence's first differing token left out" in r.sentence()
     assert r.to_dict()["after_fork_positions"] == after
     # The same trace with the tokens unchanged: the differing digests are a divergence at FORK.
-    same_tokens = cell("same_tokens", records, replaced(trace, "digest", digest))
+    same_tokens = _copied_cell(tmp_path, "same_tokens", records, _replaced(trace, "digest", digest))
     r = locate(a, same_tokens)
     assert r.diverged and r.after_fork == 0 and r.first_by_prompt[pid][1] == fork
 

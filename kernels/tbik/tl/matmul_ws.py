@@ -47,6 +47,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .launcher import CachedKernel
+from .matmul import _num_sms
 
 BLOCK_M = 128
 BLOCK_N = 128
@@ -212,11 +213,6 @@ def _tree_matmul_ws_kernel(a_desc, b_desc, out_desc, bias_ptr, out_ptr, M, N, st
                      1, LEAVES, HAS_BIAS, GROUP_M, STAGES, TMA_STORE)),
         (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, iters, GROUP_M, STAGES)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
-
-
-@functools.lru_cache(maxsize=None)
-def _num_sms(device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 @functools.lru_cache(maxsize=None)
