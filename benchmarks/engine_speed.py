@@ -226,7 +226,7 @@ def _profile(out_dir: str | None, name: str, base, mine) -> None:
         with open(Path(out_dir) / f"{name}.txt", "a") as f:
             f.write(f"== {label}\n")
             f.write(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=60))
-            f.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=60))
+            f.write(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40, max_name_column_width=90))
 
 
 if __name__ == "__main__":

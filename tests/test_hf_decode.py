@@ -375,3 +375,52 @@ def test_traced_graph_replays_give_the_eager_steps_trace(tiny, monkeypatch):
     assert len(made) == 1 and made[0].graph is not None and made[0].traced  # captured, and replayed
     assert all(_bits_equal(a, b) for a, b in zip(eager_rows, graph_rows))
     assert graph_trace.num_rows == eager_trace.num_rows > 0 and graph_trace.equals(eager_trace)
+
+
+def _fused_norms_against_eager(hfm, monkeypatch, batch) -> None:
+    from repaudit.run import kernelmodes
+
+    fused = kernelmodes._fused_norms(hfm.model)
+    layers = hfm.model.config.num_hidden_layers
+    assert len(fused) >= 2 * layers + 1, "the decoder's RMSNorms were not recognised as Llama's"
+    for mode in ("bi", "tbik"):
+        with_fused = _generate(hfm, "static", batch, mode)
+        with monkeypatch.context() as m:
+            m.setattr(kernelmodes, "_fused_norms", lambda model: [])
+            eager = _generate(hfm, "static", batch, mode)
+        for a, b in zip(with_fused, eager):
+            assert _bits_equal(a, b), f"{mode}: {a.prompt_id} differs between tbik.rms_norm and the eager norm"
+
+
+def test_fused_norms_give_the_eager_norms_records(tiny, monkeypatch):
+    """bi and tbik run Llama-form RMSNorms as tbik.rms_norm (one kernel): the records are those
+    of the module's own forward under the mode's overrides, bit for bit."""
+    _fused_norms_against_eager(tiny, monkeypatch, _batch())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_fused_norms_give_the_eager_norms_records_on_a_gpu(monkeypatch):
+    path = builtin.ensure("builtin:qwen3-0.6b")
+    hfm = hf.load(str(path), dtype="bfloat16", device="cuda", tp=1, stop_ids=(), pad_id=0)
+    _fused_norms_against_eager(hfm, monkeypatch, _batch(new=12))
+
+
+def test_key_bounds_are_made_once_per_forward(tiny):
+    """tbik attention's key bounds come from the first layer's mask and are reused by the
+    others, until the next forward of the base model begins: a graph's capture reuses the
+    warm-up's mask tensor with new contents and must compute its own."""
+    from repaudit.run import kernelmodes
+
+    query = torch.zeros(2, 4, 1, 8)
+    mask = torch.zeros(2, 1, 1, 6, dtype=torch.bool)
+    mask[0, ..., 1:4] = True
+    mask[1, ..., 0:4] = True
+    with kernelmodes._bounds_per_forward(tiny.model):
+        start, end = kernelmodes._key_bounds(mask, query)
+        assert start.tolist() == [1, 0] and end.tolist() == [4, 4]
+        mask[..., 4] = True  # the same tensor, new contents, within the same forward
+        assert kernelmodes._key_bounds(mask, query)[1] is end
+        tiny.model.base_model(input_ids=torch.ones(1, 2, dtype=torch.long))  # the next forward begins
+        assert kernelmodes._key_bounds(mask, query)[1].tolist() == [5, 5]
+    assert not kernelmodes._BOUNDS

@@ -20,9 +20,10 @@ import torch
 import torch.distributed as dist
 
 from ..errors import InputError
-from ..record.digest import row_digest, to_uint64
+from ..record.digest import to_uint64
 from . import hf_decode
 from .base import Sequence, Timing, TokenRows, canonical_topk
+from .row_values import row_values
 
 LOGIT_ROWS_PER_CHUNK = 256
 DECODES = ("dynamic", "static", "graphs")  # KV cache and step of generate(): see hf_decode
@@ -241,19 +242,8 @@ def _sequence_rows(hfm: HFModel, hidden: torch.Tensor, targets: torch.Tensor, to
         j = min(i + LOGIT_ROWS_PER_CHUNK, n)
         logits, lp = _head(hfm, hidden[i:j])
         keep = min(j, n - 1) - i
-        parts.append(_extract(logits[:keep], lp[:keep], targets[i : i + keep], topk))
+        parts.append(row_values(logits[:keep], lp[:keep], targets[i : i + keep], topk))
     return _cat_rows(parts)
-
-
-def _extract(logits: torch.Tensor, lp: torch.Tensor, targets: torch.Tensor, topk: int) -> dict[str, torch.Tensor]:
-    out = {
-        "logprob": lp.gather(1, targets[:, None])[:, 0],
-        "top1": lp.argmax(dim=-1),  # the first of tied maxima, as vLLM's top-k gives it (canonical_topk)
-        "digest": row_digest(logits),
-    }
-    if topk:
-        out["topk_lp"], out["topk_ids"] = torch.topk(lp, topk, dim=-1)
-    return out
 
 
 def _cat_rows(parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -353,7 +343,7 @@ def generate(hfm: HFModel, batch: list[Sequence], topk: int) -> tuple[list[Token
         if multi_rank:
             # One rank decides, as serving engines do, so ranks whose logits differ cannot fork.
             dist.broadcast(nxt, src=0)
-        return {**_extract(logits, lp, nxt, topk), "chosen": nxt}
+        return {**row_values(logits, lp, nxt, topk), "chosen": nxt}
 
     def eager_step(feed: torch.Tensor, step_mask: Any, pos: torch.Tensor) -> dict[str, torch.Tensor]:
         hidden = _forward(hfm, feed, step_mask, pos, None, pids, past_key_values=cache, use_cache=True)

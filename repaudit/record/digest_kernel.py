@@ -17,14 +17,14 @@ import triton.language as tl
 
 from .digest_params import GOLDEN, M1, M2, SEED
 
-_BASE = (SEED + GOLDEN) % (1 << 64)
-assert (M1, M2) == (0xBF58476D1CE4E5B9, 0x94D049BB133111EB)  # the literals in _mix below
-_INT_VIEW = {torch.float32: (torch.int32, 0xFFFFFFFF), torch.bfloat16: (torch.int16, 0xFFFF),
+BASE = (SEED + GOLDEN) % (1 << 64)
+assert (M1, M2) == (0xBF58476D1CE4E5B9, 0x94D049BB133111EB)  # the literals in mix below
+INT_VIEW = {torch.float32: (torch.int32, 0xFFFFFFFF), torch.bfloat16: (torch.int16, 0xFFFF),
              torch.float16: (torch.int16, 0xFFFF)}
 
 
 @triton.jit
-def _mix(z):
+def mix(z):
     z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9
     z = (z ^ (z >> 27)) * 0x94D049BB133111EB
     return z ^ (z >> 31)
@@ -42,8 +42,8 @@ def _digest_rows_kernel(x_ptr, rows_ptr, stride, n_feat, offset, base, mask,
         live = i < n_feat
         # Loaded through an integer view of the row: the bits are the value, no float is formed.
         bits = (tl.load(row_ptr + i, mask=live, other=0).to(tl.int64) & mask).to(tl.uint64)
-        key = _mix((i + offset).to(tl.uint64) + base)
-        acc += tl.where(live, _mix(bits ^ key), 0)
+        key = mix((i + offset).to(tl.uint64) + base)
+        acc += tl.where(live, mix(bits ^ key), 0)
     tl.store(digest_ptr + r, tl.sum(acc, axis=0).to(tl.int64, bitcast=True))
     if SAMPLES > 0:
         s = tl.arange(0, SAMPLES)
@@ -56,7 +56,7 @@ def digest_rows(x: torch.Tensor, rows: torch.Tensor | None = None, offset: int =
     """Digests of rows `rows` of the 2-D float tensor x -> int64 [n] (uint64 bits), and, with
     `pick`/`owned`, the bits of x[rows][:, pick] * owned -> int32 [n, len(pick)] (a float32's
     bits as they are, a 16-bit float's zero-extended)."""
-    view, mask = _INT_VIEW[x.dtype]
+    view, mask = INT_VIEW[x.dtype]
     if x.stride(-1) != 1:
         x = x.contiguous()
     if rows is None:
@@ -67,7 +67,7 @@ def digest_rows(x: torch.Tensor, rows: torch.Tensor | None = None, offset: int =
     samples = torch.empty((n, samples_n), dtype=torch.int32, device=x.device)
     if n:
         _digest_rows_kernel[(n,)](
-            x.view(view), rows, x.stride(0), x.shape[1], offset, _BASE, mask,
+            x.view(view), rows, x.stride(0), x.shape[1], offset, BASE, mask,
             pick if samples_n else digests, owned if samples_n else digests, digests, samples,
             BLOCK=min(1024, triton.next_power_of_2(x.shape[1])), SAMPLES=samples_n)
     return digests, samples

@@ -98,23 +98,49 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
             raise UnsupportedLayer(f"{what} in {type(module).__name__} is not covered by tbik's attention")
     if kwargs.get("is_causal") is False:
         raise UnsupportedLayer(f"bidirectional attention in {type(module).__name__} is not covered by tbik's attention")
-    batch = query.shape[0]
-    end = None  # the queries are the last Tq of the keys
-    if attention_mask is None:
-        start = torch.zeros(batch, dtype=torch.int32, device=query.device)
-    else:
-        if attention_mask.dim() == 4 and attention_mask.dtype != torch.bool:
-            raise ValueError("tbik attention takes a boolean 4-D mask (True: attend), got an additive one")
-        mask = attention_mask.bool().int()
-        if mask.dim() == 4:
-            # A static KV cache's [B, 1, Tq, slots] mask (engines/hf_decode.static_mask): the
-            # last query's row ends at the last key written, and the slots after it, not written
-            # yet, must not be seen.
-            mask = mask[:, 0, -1]
-            end = (mask.shape[1] - mask.flip(1).argmax(dim=1)).to(torch.int32)
-        start = mask.argmax(dim=1).to(torch.int32)  # first real key; left padding ends there
+    start, end = _key_bounds(attention_mask, query)
     out = tbik.attention(query, key, value, start=start, end=end, scale=scaling)
     return out.transpose(1, 2).contiguous(), None
+
+
+# Every layer of one forward gets the same mask, so its key bounds are made once, by the first
+# layer (eight small kernels a layer otherwise: a decode step's share was 6%). Cleared as each
+# forward of the base model begins: a CUDA graph's capture reuses the warm-up's mask tensor with
+# new contents, and must record the bounds' kernels itself.
+_BOUNDS: dict[str, tuple] = {}
+
+
+def _key_bounds(attention_mask, query) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(first real key, end of the written keys or None) per sequence, from the layer's mask."""
+    batch = query.shape[0]
+    if attention_mask is None:
+        return torch.zeros(batch, dtype=torch.int32, device=query.device), None
+    held = _BOUNDS.get("mask")
+    if held is not None and held[0] is attention_mask:
+        return held[1], held[2]
+    if attention_mask.dim() == 4 and attention_mask.dtype != torch.bool:
+        raise ValueError("tbik attention takes a boolean 4-D mask (True: attend), got an additive one")
+    end = None  # the queries are the last Tq of the keys
+    mask = attention_mask.bool().int()
+    if mask.dim() == 4:
+        # A static KV cache's [B, 1, Tq, slots] mask (engines/hf_decode.static_mask): the
+        # last query's row ends at the last key written, and the slots after it, not written
+        # yet, must not be seen.
+        mask = mask[:, 0, -1]
+        end = (mask.shape[1] - mask.flip(1).argmax(dim=1)).to(torch.int32)
+    start = mask.argmax(dim=1).to(torch.int32)  # first real key; left padding ends there
+    _BOUNDS["mask"] = (attention_mask, start, end)
+    return start, end
+
+
+@contextmanager
+def _bounds_per_forward(model: torch.nn.Module) -> Iterator[None]:
+    handle = model.base_model.register_forward_pre_hook(lambda *args: _BOUNDS.clear())
+    try:
+        yield
+    finally:
+        handle.remove()
+        _BOUNDS.clear()
 
 
 def _row_parallel_forward(module: torch.nn.Linear, group, tp: int):
@@ -151,6 +177,52 @@ def _row_parallel_tree(model: torch.nn.Module, tp: int) -> Iterator[None]:
         yield
 
 
+# Llama's RMSNorm forward, which most families copy. Under the mode's aten overrides these ops
+# are seven kernels (cast, pow, tbik's mean, add, rsqrt, mul, cast, mul) that tbik.rms_norm does
+# in one with their bits (tests/test_tbik_gpu.py::test_rms_norm_gives_the_eager_ops_bits; the same
+# eager ops on the CPU). A norm whose forward reads otherwise (Gemma's 1 + weight, ...) keeps it.
+_LLAMA_RMS_NORM = """
+def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    input_dtype = hidden_states.dtype
+    hidden_states = hidden_states.to(torch.float32)
+    variance = hidden_states.pow(2).mean(-1, keepdim=True)
+    hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+    return self.weight * hidden_states.to(input_dtype)
+"""
+
+
+def _is_llama_rms_norm(module: torch.nn.Module) -> bool:
+    import inspect
+    import textwrap
+
+    forward = type(module).forward
+    if forward in _NORM_FORMS:
+        return _NORM_FORMS[forward]
+    try:
+        source = textwrap.dedent(inspect.getsource(forward))
+    except (OSError, TypeError):
+        source = ""
+    _NORM_FORMS[forward] = " ".join(source.split()) == " ".join(_LLAMA_RMS_NORM.split())
+    return _NORM_FORMS[forward]
+
+
+_NORM_FORMS: dict = {}
+
+
+def _fused_norms(model: torch.nn.Module) -> list[tuple[torch.nn.Module, object]]:
+    import tbik
+
+    def fused(module):
+        def forward(hidden_states: torch.Tensor) -> torch.Tensor:
+            if type(hidden_states) is not torch.Tensor or type(module.weight.data) is not torch.Tensor:
+                return type(module).forward(module, hidden_states)  # a DTensor: its own ops
+            return tbik.rms_norm(hidden_states, module.weight, module.variance_epsilon)
+
+        return forward
+
+    return [(m, fused(m)) for m in model.modules() if _is_llama_rms_norm(m)]
+
+
 @contextmanager
 def _attention_impl(model: torch.nn.Module, name: str) -> Iterator[None]:
     configs = {id(c): c for c in [model.config, *(getattr(m, "config", None) for m in model.modules())] if c is not None}
@@ -180,6 +252,8 @@ def kernel_mode(hfm, mode: str) -> Iterator[None]:
     with ExitStack() as stack:
         stack.enter_context(tbik.batch_invariant_mode(hfm.device.type, num_chunks=chunks))
         stack.enter_context(_attention_impl(hfm.model, ATTENTION_NAME))
+        stack.enter_context(_bounds_per_forward(hfm.model))
+        stack.enter_context(replaced_forwards(_fused_norms(hfm.model)))
         if mode == "tbik":
             stack.enter_context(_row_parallel_tree(hfm.model, hfm.tp))
         stack.enter_context(invariant_experts(hfm.model, num_chunks=chunks, tp=hfm.tp, tree=mode == "tbik"))

@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# Two GPUs of one host, no vLLM. PART=lanes (default):
+#   lane 0 (GPU 0): the engine's score rows at TP=1 against a plain forward (stock, bi, tbik;
+#     batch 1, 8, 32; median of RUNS);
+#   lane 1 (GPU 1): the GPU tests of the record values' kernels, the fused norms and the graph
+#     replays, then the engine's decode at batch 32 on 64 random prompts of 64-512 tokens.
+# PART=tp2: the score rows at TP=2 on both GPUs.
+#
+#   OUT=dir [PART=lanes|tp2] [RUNS=3] bash benchmarks/gpu_score.sh
+#
+# Writes to $OUT: machine.txt, lane0.log, lane1.log (pytest.log), tp2.log, and engine_speed.json
+# (reports/perf/engine_speed.json with this machine's measured cells replaced; lane 1's decode
+# rows go to decode.json, merged by hand: two processes never write one file).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-reports/perf/score}
+PART=${PART:-lanes}
+mkdir -p "$OUT"
+export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 REPAUDIT_CACHE=${REPAUDIT_CACHE:-/tmp/repaudit-cache}
+export PYTHONPATH="$PWD/kernels:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+START=$(date +%s)
+step() { echo "== $(date +%T) [$(( $(date +%s) - START ))s] $1"; }
+nvidia-smi -L > "$OUT/machine.txt"
+python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__,
+"transformers", transformers.__version__)' >> "$OUT/machine.txt" 2>&1
+python3 -c 'from repaudit import builtin; builtin.ensure("builtin:qwen3-0.6b")'
+[ -f "$OUT/engine_speed.json" ] || cp reports/perf/engine_speed.json "$OUT/"
+speed=(python3 benchmarks/engine_speed.py --model builtin:qwen3-0.6b)
+
+lane0() {
+  export CUDA_VISIBLE_DEVICES=0
+  step "engine speed, score, TP=1"
+  timeout "${SCORE_BUDGET:-330}" "${speed[@]}" --mode score --kernels stock,bi,tbik --batch 1,8,32 --runs "${RUNS:-3}" \
+    --json "$OUT/engine_speed.json" 2>&1 | grep -v Loading
+  step "lane 0 done"
+}
+lane1() {
+  export CUDA_VISIBLE_DEVICES=1
+  step "pytest: record values, fused norms, graph replays"
+  timeout "${TEST_BUDGET:-200}" python3 -m pytest -q -p no:cacheprovider -o addopts="" -rs tests/test_row_values.py \
+    tests/test_hf_decode.py -k "gpu or graph" > "$OUT/pytest.log" 2>&1
+  echo "exit $?" >> "$OUT/pytest.log"; tail -n 2 "$OUT/pytest.log"
+  step "engine speed, generate, batch 32, random prompts"
+  timeout "${DECODE_BUDGET:-120}" "${speed[@]}" --mode generate --kernels stock,bi,tbik --batch 32 --chunks 2 --random 64 \
+    --new 128 --runs 1 --no-baseline --json "$OUT/decode.json" 2>&1 | grep -v Loading
+  step "lane 1 done"
+}
+
+if [ "$PART" = lanes ]; then
+  lane0 > "$OUT/lane0.log" 2>&1 &
+  lane1 > "$OUT/lane1.log" 2>&1 &
+  wait
+  tail -n 4 "$OUT/lane0.log" "$OUT/lane1.log"
+else
+  step "engine speed, score, TP=2"
+  timeout "${TP2_BUDGET:-400}" torchrun --standalone --nproc-per-node 2 benchmarks/engine_speed.py --tp 2 \
+    --model builtin:qwen3-0.6b --mode score --kernels stock,bi,tbik --batch 1,8,32 --runs "${RUNS:-3}" \
+    --json "$OUT/engine_speed.json" 2>&1 | grep -v Loading > "$OUT/tp2.log"
+  grep -o '"kernels": "[a-z]*", "mode": "score", "tp": 2, "batch": [0-9]*\|"ratio": [0-9.]*' "$OUT/tp2.log" | paste - -
+fi
+step "done"

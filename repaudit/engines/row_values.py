@@ -1,0 +1,60 @@
+"""The values a record keeps of one logits row: the token's logprob, the top-1, the top-k list and
+the row digest, from the row's fp32 logits and its log-softmax.
+
+The top-k is defined, not left to a library: the k largest logprobs, equal logprobs by lowest
+token id, so the same row gives the same list on every device (torch.topk keeps whichever tied
+entries its kernel meets first at the k-th place). A NaN counts as larger than every number,
+-0.0 as equal to +0.0. The top-1 is the list's first entry: the lowest id among the largest
+logprobs, torch.argmax's answer.
+
+On a GPU one Triton kernel makes all of them from two reads of each row (row_values_kernel.py):
+torch.topk's radix passes, argmax and the digest were about 4 of the 5 extra passes over the
+logits that made a scored token cost more than the model's forward. Elsewhere, torch ops with
+the same definition (the reference the kernel is tested against).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..record.digest import row_digest
+
+
+def order_keys(lp: torch.Tensor) -> torch.Tensor:
+    """fp32 values -> int32 keys in the order defined above (the kernel's _order_key)."""
+    bits = lp.contiguous().view(torch.int32)
+    bits = torch.where(bits == torch.iinfo(torch.int32).min, 0, bits)  # -0.0 as +0.0
+    keys = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    return torch.where(torch.isnan(lp), torch.iinfo(torch.int32).max, keys)
+
+
+def reference_topk(lp: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, ids) of the k largest logprobs of each row of lp [n, V] fp32, equal values by
+    lowest id: torch.topk of one int64 key per entry, (order key, reversed id), which no two
+    entries share."""
+    vocab = lp.shape[-1]
+    rank = order_keys(lp).to(torch.int64) * (1 << 32) + (vocab - 1 - torch.arange(vocab, device=lp.device))
+    ids = torch.topk(rank, k, dim=-1).indices
+    return lp.gather(1, ids), ids
+
+
+def row_values(logits: torch.Tensor, lp: torch.Tensor, targets: torch.Tensor, topk: int) -> dict[str, torch.Tensor]:
+    """Rows of fp32 logits [n, V], their log-softmax [n, V] and the n recorded tokens ->
+    logprob [n], top1 [n], digest [n] (int64 holding the uint64), and with topk > 0
+    topk_lp [n, topk], topk_ids [n, topk] in the list's order."""
+    if lp.dtype != torch.float32:
+        raise TypeError(f"row values are taken from fp32 logprobs, got {lp.dtype}")
+    if not 0 <= topk <= lp.shape[-1]:
+        raise ValueError(f"top-{topk} of a {lp.shape[-1]}-token vocabulary")
+    if lp.is_cuda and lp.shape[0]:
+        from .row_values_kernel import MAX_K, row_values_gpu
+
+        out = row_values_gpu(logits, lp, targets, topk if topk <= MAX_K else 0)
+        if topk > MAX_K:
+            out["topk_lp"], out["topk_ids"] = reference_topk(lp, topk)
+        return out
+    values, ids = reference_topk(lp, max(topk, 1))
+    out = {"logprob": lp.gather(1, targets[:, None])[:, 0], "top1": ids[:, 0], "digest": row_digest(logits)}
+    if topk:
+        out["topk_lp"], out["topk_ids"] = values, ids
+    return out

@@ -1,0 +1,123 @@
+"""row_values.py's values on a GPU, in two Triton kernels.
+
+1. One program per (row, segment of SEGMENT columns): the segment's digest partial sum and its
+   top-k candidates (k rounds of: largest order key, lowest column among its ties, struck out).
+   Segments, not rows, are the unit of work: a decode step has 1 to 32 rows of 150k columns,
+   too few programs for a GPU if each read a whole row.
+2. One program per row: the row's top-k among its segments' candidates (same rounds; columns
+   are global, so "lowest column" is the row's lowest id), the digest as the partials' sum
+   (uint64, mod 2^64: the order of the additions changes no bit), the top-1 and the recorded
+   token's logprob.
+
+Values are moved as bits (the logprob rows are read through an int32 view, the outputs written
+through one): the kernels compare and copy, never compute a float, so every value is the
+log-softmax's own bits.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from tbik.tl.launcher import CachedKernel
+
+from ..record.digest_kernel import BASE, INT_VIEW, mix
+
+SEGMENT = 4096
+MAX_K = 32  # k rounds are unrolled; row_values takes a longer list from reference_topk
+_NONE = -(2**31)  # below every value's key: an empty candidate slot
+
+
+@triton.jit
+def _order_key(bits):
+    """An fp32's bits (int32) -> a key whose int order is the value order; NaN above all, -0 == +0."""
+    bits = tl.where(bits == -2147483648, 0, bits)
+    key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    return tl.where((bits & 0x7FFFFFFF) > 0x7F800000, 0x7FFFFFFF, key)
+
+
+@triton.jit
+def _segment_kernel(lp_ptr, logit_ptr, lp_stride, logit_stride, n_cols, offset, base, mask,
+                    key_ptr, col_ptr, part_ptr, SEG: tl.constexpr, K: tl.constexpr):
+    r = tl.program_id(0)
+    s = tl.program_id(1)
+    n_seg = tl.num_programs(1)
+    cols = s * SEG + tl.arange(0, SEG)
+    live = cols < n_cols
+    row = r.to(tl.int64)
+
+    bits = (tl.load(logit_ptr + row * logit_stride + cols, mask=live, other=0).to(tl.int64) & mask).to(tl.uint64)
+    acc = tl.where(live, mix(bits ^ mix((cols + offset).to(tl.uint64) + base)), 0)
+    tl.store(part_ptr + r * n_seg + s, tl.sum(acc, axis=0).to(tl.int64, bitcast=True))
+
+    keys = tl.where(live, _order_key(tl.load(lp_ptr + row * lp_stride + cols, mask=live, other=0)), -2147483648)
+    out = (r * n_seg + s) * K
+    for j in tl.static_range(K):
+        top = tl.max(keys, axis=0)
+        col = tl.min(tl.where(keys == top, cols, 2147483647), axis=0)
+        tl.store(key_ptr + out + j, top)
+        tl.store(col_ptr + out + j, col)
+        keys = tl.where(cols == col, -2147483648, keys)
+
+
+@triton.jit
+def _row_kernel(lp_ptr, lp_stride, target_ptr, key_ptr, col_ptr, part_ptr, n_seg,
+                logprob_ptr, top1_ptr, digest_ptr, topk_lp_ptr, topk_id_ptr,
+                K: tl.constexpr, TOPK: tl.constexpr, CANDS: tl.constexpr, SEGS: tl.constexpr):
+    r = tl.program_id(0)
+    row = r.to(tl.int64)
+    slot = tl.arange(0, CANDS)
+    live = slot < n_seg * K
+    keys = tl.load(key_ptr + r * n_seg * K + slot, mask=live, other=-2147483648)
+    cols = tl.load(col_ptr + r * n_seg * K + slot, mask=live, other=2147483647)
+    for j in tl.static_range(K):
+        top = tl.max(keys, axis=0)
+        col = tl.min(tl.where(keys == top, cols, 2147483647), axis=0)
+        if j == 0:
+            tl.store(top1_ptr + r, col.to(tl.int64))
+        if TOPK:
+            tl.store(topk_id_ptr + r * K + j, col.to(tl.int64))
+            tl.store(topk_lp_ptr + r * K + j, tl.load(lp_ptr + row * lp_stride + col))
+        keys = tl.where(cols == col, -2147483648, keys)
+
+    seg = tl.arange(0, SEGS)
+    parts = tl.load(part_ptr + r * n_seg + seg, mask=seg < n_seg, other=0).to(tl.uint64, bitcast=True)
+    tl.store(digest_ptr + r, tl.sum(parts, axis=0).to(tl.int64, bitcast=True))
+    tl.store(logprob_ptr + r, tl.load(lp_ptr + row * lp_stride + tl.load(target_ptr + r)))
+
+
+_segments = CachedKernel(_segment_kernel)
+_rows = CachedKernel(_row_kernel)
+
+
+def row_values_gpu(logits: torch.Tensor, lp: torch.Tensor, targets: torch.Tensor, topk: int) -> dict[str, torch.Tensor]:
+    """row_values.row_values for rows on a GPU (same values, same bits), top-k up to MAX_K."""
+    if topk > MAX_K:
+        raise ValueError(f"the kernels keep top-{MAX_K} lists at most, not {topk}")
+    n, vocab = lp.shape
+    dev = lp.device
+    k = max(1, topk)
+    if lp.stride(-1) != 1:
+        lp = lp.contiguous()
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    view, mask = INT_VIEW[logits.dtype]
+    n_seg = triton.cdiv(vocab, SEGMENT)
+    keys = torch.empty((n, n_seg * k), dtype=torch.int32, device=dev)
+    cols = torch.empty_like(keys)
+    parts = torch.empty((n, n_seg), dtype=torch.int64, device=dev)
+    lp_bits = lp.view(torch.int32)
+    _segments((n, n_seg), (lp_bits, logits.view(view), lp.stride(0), logits.stride(0), vocab, 0, BASE, mask,
+                           keys, cols, parts), {"SEG": SEGMENT, "K": k, "num_warps": 8})
+    out = {"logprob": torch.empty(n, dtype=torch.float32, device=dev),
+           "top1": torch.empty(n, dtype=torch.int64, device=dev),
+           "digest": torch.empty(n, dtype=torch.int64, device=dev)}
+    lists = (torch.empty((n, k), dtype=torch.float32, device=dev), torch.empty((n, k), dtype=torch.int64, device=dev))
+    _rows((n,), (lp_bits, lp.stride(0), targets.contiguous(), keys, cols, parts, n_seg,
+                 out["logprob"].view(torch.int32), out["top1"], out["digest"],
+                 lists[0].view(torch.int32), lists[1]),
+          {"K": k, "TOPK": topk > 0, "CANDS": triton.next_power_of_2(n_seg * k),
+           "SEGS": triton.next_power_of_2(n_seg), "num_warps": 4})
+    if topk:
+        out["topk_lp"], out["topk_ids"] = lists
+    return out

@@ -1,0 +1,74 @@
+"""The cases of tests/test_row_values.py that run the Triton kernels, in a process of their own
+with Triton's CPU interpreter on from the start (see digest_kernel_cases.py for why).
+
+    TRITON_INTERPRET=1 python tests/interpreted/row_values_cases.py CASE
+"""
+
+import os
+import sys
+
+assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1 (tests/test_row_values.py does)"
+
+import torch  # noqa: E402
+from tbik.tl import interpret as _interpret  # noqa: E402
+
+from repaudit.engines import row_values_kernel as kernel  # noqa: E402
+from repaudit.engines.row_values import reference_topk, row_values  # noqa: E402
+from repaudit.record.digest import row_digest  # noqa: E402
+
+_interpret.apply()
+
+
+def _rows(n, vocab, seed):
+    """Logprob-like rows with many ties (values from a small set), the specials, and ties that
+    straddle segment boundaries."""
+    g = torch.Generator().manual_seed(seed)
+    lp = -torch.randint(0, 40, (n, vocab), generator=g).float() / 8
+    lp[0, :5] = torch.tensor([0.0, -0.0, float("-inf"), float("nan"), 0.0])
+    lp[1, ::997] = -0.0  # the row's maximum, tied across every segment
+    logits = lp + torch.randn(n, vocab, generator=g)
+    return logits, lp
+
+
+def _same(got, want):
+    assert got.keys() == want.keys()
+    for name in want:
+        assert got[name].dtype == want[name].dtype, name
+        a, b = got[name], want[name]
+        if a.is_floating_point():
+            a, b = a.view(torch.int32), b.view(torch.int32)
+        assert torch.equal(a, b), name
+
+
+def test_kernel_values_are_the_reference_values():
+    kernel.SEGMENT = 1024  # several segments per row at a size the interpreter runs quickly
+    for vocab, topk in ((3000, 5), (1024, 1), (2500, 0), (700, 7), (3000, 32)):
+        logits, lp = _rows(4, vocab, vocab + topk)
+        targets = torch.randint(0, vocab, (4,), generator=torch.Generator().manual_seed(1))
+        got = kernel.row_values_gpu(logits, lp, targets, topk)
+        _same(got, row_values(logits, lp, targets, topk))
+
+
+def test_a_list_longer_than_the_kernels_is_refused():
+    logits, lp = _rows(2, 100, 3)
+    try:
+        kernel.row_values_gpu(logits, lp, torch.tensor([0, 5]), kernel.MAX_K + 1)
+    except ValueError:
+        return
+    raise AssertionError("a top-k longer than MAX_K was not refused")
+
+
+def test_digests_of_16_bit_and_strided_rows():
+    kernel.SEGMENT = 1024
+    logits, lp = _rows(3, 2100, 4)
+    wide = torch.zeros(3, 2200)
+    wide[:, :2100] = lp
+    targets = torch.tensor([1, 2, 3])
+    for x in (logits.bfloat16(), logits.half()):
+        got = kernel.row_values_gpu(x, wide[:, :2100], targets, 5)
+        assert torch.equal(got["digest"], row_digest(x))
+        assert torch.equal(got["topk_ids"], reference_topk(lp, 5)[1])
+
+
+if __name__ == "__main__":
+    globals()[sys.argv[1]]()

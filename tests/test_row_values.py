@@ -1,0 +1,114 @@
+"""The values a record keeps of a logits row (repaudit/engines/row_values.py): the defined top-k
+against an independent NumPy ordering, and the GPU kernels against the torch reference under
+Triton's CPU interpreter (tests/interpreted/row_values_cases.py), bit for bit."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from repaudit.engines.row_values import reference_topk, row_values
+from repaudit.record.digest import row_digest
+
+CASES = Path(__file__).parent / "interpreted" / "row_values_cases.py"
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _numpy_topk(lp: np.ndarray, k: int) -> np.ndarray:
+    """Ids of the k largest values per row by a sort: NaN first, then value descending
+    (-0.0 == +0.0 in float comparison), then id ascending."""
+    out = []
+    for row in lp.astype(np.float64):
+        ids = np.arange(len(row))
+        nan = np.isnan(row)
+        order = np.lexsort((ids, -np.where(nan, 0.0, row), ~nan))
+        out.append(order[:k])
+    return np.array(out)
+
+
+def _tied_rows(seed: int, n: int = 6, vocab: int = 500) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    lp = -torch.randint(0, 12, (n, vocab), generator=g).float() / 4  # a dozen values: ties everywhere
+    lp[0, [3, 9]] = torch.tensor([-0.0, 0.0])
+    lp[1, [7, 400]] = float("nan")
+    lp[2, :] = float("-inf")
+    lp[2, [450, 20]] = -1.0
+    return lp
+
+
+@pytest.mark.parametrize("k", [1, 5, 17])
+def test_the_top_k_is_the_largest_values_ties_by_lowest_id(k):
+    for seed in range(3):
+        lp = _tied_rows(seed)
+        values, ids = reference_topk(lp, k)
+        want = _numpy_topk(lp.numpy(), k)
+        assert np.array_equal(ids.numpy(), want)
+        assert np.array_equal(values.numpy().view(np.int32), np.take_along_axis(lp.numpy(), want, 1).view(np.int32))
+
+
+def test_top1_is_torch_argmax_and_the_lists_first_entry():
+    lp = _tied_rows(5)
+    lp[1] = torch.nan_to_num(lp[1], nan=-3.0)  # torch.argmax's NaN rule is not what this checks
+    got = row_values(lp.clone(), lp, torch.zeros(6, dtype=torch.long), 5)
+    assert torch.equal(got["top1"], lp.argmax(dim=-1))
+    assert torch.equal(got["top1"], got["topk_ids"][:, 0])
+
+
+def test_a_nan_is_above_every_number_and_minus_zero_ties_plus_zero():
+    lp = torch.tensor([[-1.0, float("nan"), 0.0, float("nan")], [-0.0, 0.0, -1.0, -0.0]])
+    values, ids = reference_topk(lp, 3)
+    assert ids.tolist() == [[1, 3, 2], [0, 1, 3]]
+    assert values[1].view(torch.int32).tolist() == lp[1, [0, 1, 3]].view(torch.int32).tolist()  # the signs kept
+
+
+def test_row_values_record_the_tokens_logprob_and_the_logits_digest():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 300, generator=g)
+    lp = torch.log_softmax(logits, -1)
+    targets = torch.tensor([0, 299, 17, 17])
+    got = row_values(logits, lp, targets, 0)
+    assert set(got) == {"logprob", "top1", "digest"}
+    assert torch.equal(got["logprob"], lp[torch.arange(4), targets])
+    assert torch.equal(got["digest"], row_digest(logits))
+
+
+def test_bad_requests_are_refused():
+    lp = torch.zeros(2, 3)
+    with pytest.raises(ValueError):
+        row_values(lp, lp, torch.zeros(2, dtype=torch.long), 4)
+    with pytest.raises(TypeError):
+        row_values(lp, lp.double(), torch.zeros(2, dtype=torch.long), 1)
+
+
+@pytest.mark.parametrize("case", [
+    "test_kernel_values_are_the_reference_values",
+    "test_a_list_longer_than_the_kernels_is_refused",
+    "test_digests_of_16_bit_and_strided_rows",
+])
+def test_row_values_kernels_under_the_interpreter(case):
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "kernels"), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, str(CASES), case], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("n,vocab,topk", [(1, 151936, 5), (32, 151936, 5), (300, 32000, 20), (7, 5000, 0), (3, 9000, 40)])
+def test_the_gpu_kernels_give_the_references_bits(n, vocab, topk):
+    g = torch.Generator().manual_seed(n + vocab)
+    logits = (torch.randn(n, vocab, generator=g) * 4).bfloat16().float()  # bf16 logits: ties at every rank
+    logits[0, :3] = torch.tensor([float("nan"), -0.0, float("inf")])
+    lp = torch.log_softmax(logits, -1)
+    targets = torch.randint(0, vocab, (n,), generator=g)
+    want = row_values(logits, lp, targets, topk)
+    got = row_values(logits.cuda(), lp.cuda(), targets.cuda(), topk)
+    assert got.keys() == want.keys()
+    for name, w in want.items():
+        a = got[name].cpu()
+        assert torch.equal(a.view(torch.int32) if a.is_floating_point() else a,
+                           w.view(torch.int32) if w.is_floating_point() else w), name
