@@ -297,6 +297,10 @@ def test_the_plugins_tbik_ops_are_custom_ops_that_torch_compile_can_trace():
     assert torch.equal(whole, tbik.matmul_partial(x, w.t(), tp_size=1))
     joined = torch.ops.repaudit.tbik_tree_sum(torch.cat(halves), 2)
     assert joined.view(torch.int32).equal(whole.view(torch.int32))  # TP=2 gives TP=1's bits
+    # What the TP=2 layer takes instead: vLLM's all-reduce of the two roots, one addition in
+    # either order.
+    for a, b in (halves, halves[::-1]):
+        assert (a + b).view(torch.int32).equal(whole.view(torch.int32))
 
     def row_parallel(xa, xb):
         parts = torch.cat([torch.ops.repaudit.tbik_partial(xa, w[:, :32], 2), torch.ops.repaudit.tbik_partial(xb, w[:, 32:], 2)])

@@ -9,7 +9,9 @@ A tbik cell computes what the transformers engine computes in its tbik mode, op 
 - every linear layer and the lm_head: tbik's tree matmul over the whole K. Row-parallel
   layers at TP > 1 take the fp32 root of their rank's subtree (tbik.matmul_partial), gather
   the P roots over vLLM's TP group and add them in the tree's order (tbik.tree_sum), then one
-  cast: TP=1 and TP=N add the same numbers in the same order.
+  cast: TP=1 and TP=N add the same numbers in the same order. At TP=2 the tree is one
+  addition, and vLLM's all-reduce of the two fp32 roots computes it (as tbik.tree_all_reduce's
+  "pair" does).
 - RMSNorm (and the residual add vLLM fuses into it), SiLU-and-mul, rotary embedding: the
   transformers modules' own arithmetic, with tbik's last-dim mean.
 - attention: tbik's attention over the paged KV cache (hf_ops.paged_attention), in place of
@@ -168,8 +170,13 @@ def _row_parallel_forward(self, input_):
     else:
         x2 = x.reshape(-1, x.shape[-1])
         root = torch.ops.repaudit.tbik_partial(x2, self.weight, tp)
-        # Rank order along dim 0: the tree's leaves in the order TP=1 adds them.
-        root = torch.ops.repaudit.tbik_tree_sum(get_tp_group().all_gather(root, dim=0), tp)
+        if tp == 2:
+            # The tree of two roots is one fp32 addition, which has no order: vLLM's own
+            # all-reduce of the fp32 roots (its custom kernel or NCCL) gives the tree's bits.
+            root = get_tp_group().all_reduce(root)
+        else:
+            # Rank order along dim 0: the tree's leaves in the order TP=1 adds them.
+            root = torch.ops.repaudit.tbik_tree_sum(get_tp_group().all_gather(root, dim=0), tp)
         if bias is not None:
             root = root + bias.float()
         out = root.to(x.dtype).reshape(*x.shape[:-1], self.weight.shape[0])
