@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Trainer versus rollout at TP=2, tbik, lean: the transformers engine at TP=1 batch 1 (GPU 0),
+# then vLLM at TP=2 batch 1 and 32 (both GPUs), then `repaudit diff` of the trainer cell against
+# each rollout cell.   OUT=dir bash benchmarks/gpu_trainer_rollout_tp2.sh  (.carry/vllm/part-1.tar.xz carried)
+set -u
+cd "$(dirname "$0")/.."
+source benchmarks/gpu_vllm_setup.sh
+step "trainer: transformers TP=1 batch 1, tbik"
+C="--model builtin:qwen3-0.6b --device cuda --kernels tbik --mode generate --probes default --max-new-tokens 16 --topk 5"
+COLUMNS=150 CUDA_VISIBLE_DEVICES=0 timeout -k 5 100 python3 -m repaudit run $C --engine hf --tp 1 --batch-size 1 --out /tmp/r/hf > "$OUT/run-hf.log" 2>&1; echo "hf exit $?"
+step "rollout: vLLM TP=2 batch 1, 32, tbik"
+COLUMNS=150 timeout -k 5 230 python3 -m repaudit run $C --engine vllm --tp 2 --batch-size 1,32 --timeout 150 --load-timeout 200 --out /tmp/r/vllm > "$OUT/run-vllm.log" 2>&1; echo "vllm exit $?"
+grep -v "it/s\]" "$OUT/run-vllm.log" | tail -n 6
+for b in 1 32; do
+  COLUMNS=150 timeout 20 python3 -m repaudit diff /tmp/r/hf/cells/hf-tp1-bs1-default-tbik-generate.parquet \
+    /tmp/r/vllm/cells/vllm-tp2-bs$b-default-tbik-generate.parquet > "$OUT/diff-vllm-tp2-bs$b.txt" 2>&1; echo "diff bs$b exit $?"
+  head -n 10 "$OUT/diff-vllm-tp2-bs$b.txt"
+done
+step done
