@@ -5,8 +5,10 @@
 #   lane 1 (GPU 1): the GPU tests of the record values' kernels, the fused norms and the graph
 #     replays, then the engine's decode at batch 32 on 64 random prompts of 64-512 tokens.
 # PART=tp2: the score rows at TP=2 on both GPUs.
+# PART=one (one GPU): lane 1's tests with tbik's fused-op GPU tests, its decode rows, then the
+# engine's generate rows against plain model.generate for bi and tbik (batch 1, 8, 32).
 #
-#   OUT=dir [PART=lanes|tp2] [RUNS=3] bash benchmarks/gpu_score.sh
+#   OUT=dir [PART=lanes|tp2|one] [RUNS=3] bash benchmarks/gpu_score.sh
 #
 # Writes to $OUT: machine.txt, lane0.log, lane1.log (pytest.log), tp2.log, and engine_speed.json
 # (reports/perf/engine_speed.json with this machine's measured cells replaced; lane 1's decode
@@ -35,10 +37,10 @@ lane0() {
   step "lane 0 done"
 }
 lane1() {
-  export CUDA_VISIBLE_DEVICES=1
+  export CUDA_VISIBLE_DEVICES=${LANE1_GPU:-1}
   step "pytest: record values, fused norms, graph replays"
   timeout "${TEST_BUDGET:-200}" python3 -m pytest -q -p no:cacheprovider -o addopts="" -rs tests/test_row_values.py \
-    tests/test_hf_decode.py -k "gpu or graph" > "$OUT/pytest.log" 2>&1
+    tests/test_hf_decode.py tests/test_tbik_gpu.py -k "gpu or graph or rope or rms_norm" > "$OUT/pytest.log" 2>&1
   echo "exit $?" >> "$OUT/pytest.log"; tail -n 2 "$OUT/pytest.log"
   step "engine speed, generate, batch 32, random prompts"
   timeout "${DECODE_BUDGET:-120}" "${speed[@]}" --mode generate --kernels stock,bi,tbik --batch 32 --chunks 2 --random 64 \
@@ -51,6 +53,13 @@ if [ "$PART" = lanes ]; then
   lane1 > "$OUT/lane1.log" 2>&1 &
   wait
   tail -n 4 "$OUT/lane0.log" "$OUT/lane1.log"
+elif [ "$PART" = one ]; then
+  LANE1_GPU=0 lane1 > "$OUT/lane1.log" 2>&1
+  tail -n 6 "$OUT/lane1.log"
+  step "engine speed, generate, bi and tbik, TP=1"
+  CUDA_VISIBLE_DEVICES=0 timeout "${GENERATE_BUDGET:-240}" "${speed[@]}" --mode generate --kernels bi,tbik --batch 1,8,32 \
+    --new 64 --runs "${RUNS:-3}" --json "$OUT/engine_speed.json" 2>&1 | grep -v Loading > "$OUT/generate.log"
+  grep -o '"kernels": "[a-z]*", "mode": "generate", "tp": 1, "batch": [0-9]*\|"ratio": [0-9.]*' "$OUT/generate.log" | paste - -
 else
   step "engine speed, score, TP=2"
   timeout "${TP2_BUDGET:-400}" torchrun --standalone --nproc-per-node 2 benchmarks/engine_speed.py --tp 2 \

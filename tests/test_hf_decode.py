@@ -383,18 +383,21 @@ def _fused_norms_against_eager(hfm, monkeypatch, batch) -> None:
     fused = kernelmodes._fused_norms(hfm.model)
     layers = hfm.model.config.num_hidden_layers
     assert len(fused) >= 2 * layers + 1, "the decoder's RMSNorms were not recognised as Llama's"
+    assert len(kernelmodes._rope_modules(hfm.model)) == 1, "the rotary embedding was not recognised as Llama's"
     for mode in ("bi", "tbik"):
         with_fused = _generate(hfm, "static", batch, mode)
         with monkeypatch.context() as m:
             m.setattr(kernelmodes, "_fused_norms", lambda model: [])
+            m.setattr(kernelmodes, "_rope_modules", lambda model: [])
             eager = _generate(hfm, "static", batch, mode)
         for a, b in zip(with_fused, eager):
-            assert _bits_equal(a, b), f"{mode}: {a.prompt_id} differs between tbik.rms_norm and the eager norm"
+            assert _bits_equal(a, b), f"{mode}: {a.prompt_id} differs between tbik's fused ops and the eager ones"
 
 
 def test_fused_norms_give_the_eager_norms_records(tiny, monkeypatch):
-    """bi and tbik run Llama-form RMSNorms as tbik.rms_norm (one kernel): the records are those
-    of the module's own forward under the mode's overrides, bit for bit."""
+    """bi and tbik run Llama-form RMSNorms as tbik.rms_norm and Llama's apply_rotary_pos_emb as
+    tbik.apply_rope (one kernel each): the records are those of transformers' own code under
+    the mode's overrides, bit for bit."""
     _fused_norms_against_eager(tiny, monkeypatch, _batch())
 
 

@@ -328,6 +328,28 @@ def test_rope_gives_the_eager_ops_bits(head_dim, theta, dtype):
         assert_bits_equal(tbik.rope(positions, x, inv_freq, head_dim), cpu.rope(positions, x, inv_freq.cuda(), head_dim))
 
 
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("batch_cos", [True, False])
+def test_apply_rope_gives_transformers_apply_rotary_pos_emb_bits(dtype, batch_cos):
+    """tbik.apply_rope against transformers' own apply_rotary_pos_emb on the GPU, on q and k as
+    the attention gives them ([B, T, H, D] projections transposed to [B, H, T, D]): values,
+    layout (strides) and bits."""
+    from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
+
+    B, T = 5, 37
+    proj = _spread(B * T, 24 * 128, dtype=torch.float32, seed=11).to(dtype).view(B, T, 24, 128)
+    q, k = proj[:, :, :16].transpose(1, 2), proj[:, :, 16:].transpose(1, 2)
+    angles = _spread(B * T, 128, dtype=torch.float32, seed=12).view(B, T, 128) * 50
+    if not batch_cos:
+        angles = angles[:1]
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    want_q, want_k = apply_rotary_pos_emb(q, k, cos, sin)
+    for got, want in ((tbik.apply_rope(q, cos, sin), want_q), (tbik.apply_rope(k, cos, sin), want_k)):
+        assert got.stride() == want.stride()
+        assert_bits_equal(got, want)
+
+
 # ---------------------------------------------------------------- repaudit's digest kernel (for --trace)
 
 

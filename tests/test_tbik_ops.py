@@ -101,6 +101,25 @@ def test_rope_rounds_as_the_eager_ops():
     assert_bits_equal(tbik.rope(positions, x, inv_freq, head_dim), want)
 
 
+def test_apply_rope_gives_apply_rotary_pos_emb_bits():
+    """The kernel against transformers' own function, on transposed q/k views and cos/sin of one
+    row per batch or one for all."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    proj = (randn(3, 7, 6, 64, seed=8) * 20).bfloat16()
+    q, k = proj[:, :, :4].transpose(1, 2), proj[:, :, 4:].transpose(1, 2)
+    for rows in (3, 1):
+        angles = randn(rows, 7, 64, seed=9) * 30
+        cos, sin = angles.cos().bfloat16(), angles.sin().bfloat16()
+        want_q, want_k = apply_rotary_pos_emb(q, k, cos, sin)
+        got_q, got_k = tbik.apply_rope(q, cos, sin), tbik.apply_rope(k, cos, sin)
+        assert got_q.stride() == want_q.stride()
+        assert_bits_equal(got_q, want_q)
+        assert_bits_equal(got_k, want_k)
+    with pytest.raises(ValueError):
+        tbik.apply_rope(q, cos[:, :, :32], sin)
+
+
 def test_mean_last_dim_batch_invariant():
     x = randn(50, 3000, seed=3)
     full = tbik.mean_last_dim(x, keepdim=True)

@@ -15,7 +15,7 @@ use_interpreter() runs the Triton kernels in Triton's CPU interpreter instead (k
 from .allreduce import tree_all_reduce, tree_sum
 from .attention import attention, paged_attention
 from .backend import use_interpreter
-from .elementwise import rope, silu_and_mul
+from .elementwise import apply_rope, rope, silu_and_mul
 from .matmul import NUM_CHUNKS, SUPPORTED_CHUNKS, matmul_partial, tree_matmul
 from .modes import batch_invariant_mode, disable_batch_invariant_mode, enable_batch_invariant_mode, is_batch_invariant_mode_enabled
 from .norm import mean_last_dim, rms_norm
@@ -24,6 +24,7 @@ from .softmax import log_softmax
 __all__ = [
     "NUM_CHUNKS",
     "SUPPORTED_CHUNKS",
+    "apply_rope",
     "attention",
     "batch_invariant_mode",
     "disable_batch_invariant_mode",

@@ -110,6 +110,13 @@ def rope(positions: torch.Tensor, x: torch.Tensor, inv_freq: torch.Tensor, head_
     return ((heads * cos) + (rotated * sin)).reshape(x.shape)
 
 
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """transformers' apply_rotary_pos_emb on one tensor, op for op (the GPU kernel's reference)."""
+    cos, sin = cos[:, None], sin[:, None]
+    half = x.shape[-1] // 2
+    return (x * cos) + (torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin)
+
+
 def sigmoid(x: torch.Tensor) -> torch.Tensor:
     return 1.0 / (1.0 + torch.exp(-x))
 

@@ -41,3 +41,23 @@ def rope(positions: torch.Tensor, x: torch.Tensor, inv_freq: torch.Tensor, head_
     from .tl import elementwise
 
     return elementwise.rope(positions, x, inv_freq.to(x.device), head_dim)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """transformers' `x * cos + rotate_half(x) * sin` (apply_rotary_pos_emb, one tensor, cos and
+    sin unsqueezed at dim 1) for x [B, H, T, D] and cos, sin [B or 1, T, D] in x's dtype, each
+    product rounded, then the sum: one kernel with the eager ops' bits, the result laid out as
+    the eager sum is (dense, in x's dimension order)."""
+    if x.dim() != 4 or x.shape[-1] % 2 or x.stride(-1) != 1:
+        raise ValueError(f"apply_rope needs x [B, H, T, D] with an even, unit-stride D, got {tuple(x.shape)}")
+    want = (x.shape[2], x.shape[3])
+    for name, c in (("cos", cos), ("sin", sin)):
+        if c.dim() != 3 or tuple(c.shape[1:]) != want or c.shape[0] not in (1, x.shape[0]) or c.dtype != x.dtype \
+                or c.stride(-1) != 1:
+            raise ValueError(f"apply_rope needs {name} [{x.shape[0]} or 1, {want[0]}, {want[1]}] {x.dtype} with a "
+                             f"unit-stride last dim, got {tuple(c.shape)} {c.dtype}")
+    if backend.on_cpu(x):
+        return cpu.apply_rope(x, cos, sin)
+    from .tl import elementwise
+
+    return elementwise.apply_rope(x, cos, sin)

@@ -223,6 +223,88 @@ def _fused_norms(model: torch.nn.Module) -> list[tuple[torch.nn.Module, object]]
     return [(m, fused(m)) for m in model.modules() if _is_llama_rms_norm(m)]
 
 
+# transformers' apply_rotary_pos_emb and rotate_half as Llama's modeling file (and every family
+# copying it) writes them: under the modes, ten kernels a layer (a product, a negation, a cat,
+# a product and a sum, for q and for k) that tbik.apply_rope does in two with their bits
+# (tests/test_tbik_gpu.py::test_apply_rope_gives_transformers_apply_rotary_pos_emb_bits).
+_LLAMA_ROPE = ("""
+def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+    cos = cos.unsqueeze(unsqueeze_dim)
+    sin = sin.unsqueeze(unsqueeze_dim)
+    q_embed = (q * cos) + (rotate_half(q) * sin)
+    k_embed = (k * cos) + (rotate_half(k) * sin)
+    return q_embed, k_embed
+""", """
+def rotate_half(x):
+    x1 = x[..., : x.shape[-1] // 2]
+    x2 = x[..., x.shape[-1] // 2 :]
+    return torch.cat((-x2, x1), dim=-1)
+""")
+
+
+def _body(source: str) -> str:
+    """A function's code without its decorators and docstring, as an AST dump."""
+    import ast
+
+    fn = ast.parse(source).body[0]
+    body = fn.body[1:] if fn.body and isinstance(fn.body[0], ast.Expr) and isinstance(fn.body[0].value, ast.Constant) else fn.body
+    return ast.dump(ast.Module(body=body, type_ignores=[])) + ast.dump(fn.args)
+
+
+def _rope_modules(model: torch.nn.Module) -> list:
+    """The modeling modules of the model's layers whose rotary embedding is Llama's."""
+    import inspect
+    import sys
+    import textwrap
+
+    want = [_body(src) for src in _LLAMA_ROPE]
+    found = []
+    for name in sorted({type(m).__module__ for m in model.modules()}):
+        module = sys.modules.get(name)
+        funcs = [getattr(module, f, None) for f in ("apply_rotary_pos_emb", "rotate_half")]
+        if module is None or not all(callable(f) for f in funcs):
+            continue
+        try:
+            got = [_body(textwrap.dedent(inspect.getsource(inspect.unwrap(f)))) for f in funcs]
+        except (OSError, TypeError, SyntaxError):
+            continue
+        if got == want:
+            found.append(module)
+    return found
+
+
+def _rope_fits(x, cos, sin) -> bool:
+    """The shapes tbik.apply_rope takes (anything else, a DTensor included, runs transformers' own)."""
+    if any(type(t) is not torch.Tensor for t in (x, cos, sin)) or x.dim() != 4 or x.stride(-1) != 1:
+        return False
+    return all(c.dim() == 3 and c.shape[1:] == x.shape[2:] and c.shape[0] in (1, x.shape[0]) and c.dtype == x.dtype
+               and c.stride(-1) == 1 for c in (cos, sin))
+
+
+@contextmanager
+def _fused_rope(model: torch.nn.Module) -> Iterator[None]:
+    import tbik
+
+    modules = _rope_modules(model)
+    saved = [(m, m.apply_rotary_pos_emb) for m in modules]
+
+    def fused(original):
+        def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+            if unsqueeze_dim != 1 or not _rope_fits(q, cos, sin) or not _rope_fits(k, cos, sin):
+                return original(q, k, cos, sin, unsqueeze_dim)
+            return tbik.apply_rope(q, cos, sin), tbik.apply_rope(k, cos, sin)
+
+        return apply_rotary_pos_emb
+
+    for module, original in saved:
+        module.apply_rotary_pos_emb = fused(original)
+    try:
+        yield
+    finally:
+        for module, original in saved:
+            module.apply_rotary_pos_emb = original
+
+
 @contextmanager
 def _attention_impl(model: torch.nn.Module, name: str) -> Iterator[None]:
     configs = {id(c): c for c in [model.config, *(getattr(m, "config", None) for m in model.modules())] if c is not None}
@@ -254,6 +336,7 @@ def kernel_mode(hfm, mode: str) -> Iterator[None]:
         stack.enter_context(_attention_impl(hfm.model, ATTENTION_NAME))
         stack.enter_context(_bounds_per_forward(hfm.model))
         stack.enter_context(replaced_forwards(_fused_norms(hfm.model)))
+        stack.enter_context(_fused_rope(hfm.model))
         if mode == "tbik":
             stack.enter_context(_row_parallel_tree(hfm.model, hfm.tp))
         stack.enter_context(invariant_experts(hfm.model, num_chunks=chunks, tp=hfm.tp, tree=mode == "tbik"))

@@ -59,8 +59,37 @@ def _rope_kernel(pos_ptr, inv_freq_ptr, x_ptr, out_ptr, heads, stride_x, stride_
         tl.store(out_ptr + row * stride_o + base + HALF + j, hi.to(dtype), mask=mask)
 
 
+@triton.jit
+def _apply_rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, heads, seq, sx_b, sx_h, sx_t, sc_b, sc_t, ss_b, ss_t,
+                       so_b, so_h, so_t, HALF: tl.constexpr, BLOCK: tl.constexpr):
+    # One (batch, head, position) row of x [B, H, T, 2 * HALF] (any strides, unit last), with
+    # that (batch, position)'s cos and sin rows [2 * HALF] given in x's dtype.
+    r = tl.program_id(0).to(tl.int64)
+    t = r % seq
+    h = (r // seq) % heads
+    b = r // (seq * heads)
+    j = tl.arange(0, BLOCK)
+    mask = j < HALF
+    dtype = out_ptr.dtype.element_ty
+    x_row = x_ptr + b * sx_b + h * sx_h + t * sx_t
+    c_row = cos_ptr + b * sc_b + t * sc_t
+    s_row = sin_ptr + b * ss_b + t * ss_t
+    x1 = tl.load(x_row + j, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x_row + HALF + j, mask=mask, other=0.0).to(tl.float32)
+    c1 = tl.load(c_row + j, mask=mask, other=0.0).to(tl.float32)
+    c2 = tl.load(c_row + HALF + j, mask=mask, other=0.0).to(tl.float32)
+    s1 = tl.load(s_row + j, mask=mask, other=0.0).to(tl.float32)
+    s2 = tl.load(s_row + HALF + j, mask=mask, other=0.0).to(tl.float32)
+    lo = (x1 * c1).to(dtype).to(tl.float32) + (-x2 * s1).to(dtype).to(tl.float32)
+    hi = (x2 * c2).to(dtype).to(tl.float32) + (x1 * s2).to(dtype).to(tl.float32)
+    o_row = out_ptr + b * so_b + h * so_h + t * so_t
+    tl.store(o_row + j, lo.to(dtype), mask=mask)
+    tl.store(o_row + HALF + j, hi.to(dtype), mask=mask)
+
+
 _silu_and_mul = CachedKernel(_silu_and_mul_kernel)
 _rope = CachedKernel(_rope_kernel)
+_apply_rope = CachedKernel(_apply_rope_kernel)
 _EXACT = dict(num_warps=4, enable_fp_fusion=False)
 
 
@@ -84,3 +113,15 @@ def rope(positions: torch.Tensor, x: torch.Tensor, inv_freq: torch.Tensor, head_
                                  rows.shape[1] // head_dim, rows.stride(0), out.stride(0)),
               dict(HALF=half, BLOCK=max(16, triton.next_power_of_2(half)), **_EXACT))
     return out.view(x.shape)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    out = torch.empty_like(x)  # dense, in x's dimension order: the eager product's layout
+    if out.numel():
+        B, H, T, D = x.shape
+        cos, sin = (c.expand(B, T, D) for c in (cos, sin))
+        _apply_rope((B * H * T,), (x, cos, sin, out, H, T, x.stride(0), x.stride(1), x.stride(2),
+                                   cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1),
+                                   out.stride(0), out.stride(1), out.stride(2)),
+                    dict(HALF=D // 2, BLOCK=max(16, triton.next_power_of_2(D // 2)), **_EXACT))
+    return out
