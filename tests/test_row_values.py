@@ -112,3 +112,15 @@ def test_the_gpu_kernels_give_the_references_bits(n, vocab, topk):
         a = got[name].cpu()
         assert torch.equal(a.view(torch.int32) if a.is_floating_point() else a,
                            w.view(torch.int32) if w.is_floating_point() else w), name
+
+
+def test_canonical_order_is_the_row_values_order():
+    """Lists from any engine are put in row_values' order: a NaN first, -0.0 tied with +0.0."""
+    from repaudit.engines.base import canonical_topk
+
+    lp = torch.tensor([[-1.0, float("nan"), 0.0, -0.0, -3.0, float("nan")]])
+    values, ids = reference_topk(lp, 6)
+    shuffled = np.array([[4, 0, 3, 5, 2, 1]])
+    got_ids, got_lps = canonical_topk(shuffled, lp.numpy()[0][shuffled])
+    assert got_ids.tolist() == ids.tolist() == [[1, 5, 2, 3, 0, 4]]
+    assert np.array_equal(got_lps.view(np.int32), values.numpy().view(np.int32))

@@ -39,13 +39,15 @@ class TokenRows:
 
 
 def canonical_topk(ids: np.ndarray, lps: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Top-k lists [n, k] in one order whatever engine made them: logprob descending, equal
-    logprobs by token id ascending. torch.topk (and vLLM's ranks) leave tied entries in any
-    order, and a tie at the top is common enough in bf16 that two engines computing the same
-    bits would otherwise name different tokens."""
+    """Top-k lists [n, k] in one order whatever engine made them: logprob descending (a NaN
+    first), equal logprobs by token id ascending. torch.topk (and vLLM's ranks) leave tied
+    entries in any order, and a tie at the top is common enough in bf16 that two engines
+    computing the same bits would otherwise name different tokens."""
     if ids.shape[1] < 2:
         return ids, lps
-    order = np.lexsort((ids, -lps.astype(np.float64)), axis=-1)
+    values = lps.astype(np.float64)
+    nan = np.isnan(values)  # above every number, as engines/row_values.py orders them
+    order = np.lexsort((ids, -np.where(nan, 0.0, values), ~nan), axis=-1)
     return np.take_along_axis(ids, order, -1), np.take_along_axis(lps, order, -1)
 
 

@@ -92,9 +92,9 @@ _rows = CachedKernel(_row_kernel)
 
 def row_values_gpu(logits: torch.Tensor, lp: torch.Tensor, targets: torch.Tensor, topk: int) -> dict[str, torch.Tensor]:
     """row_values.row_values for rows on a GPU (same values, same bits), top-k up to MAX_K."""
-    if topk > MAX_K:
-        raise ValueError(f"the kernels keep top-{MAX_K} lists at most, not {topk}")
     n, vocab = lp.shape
+    if not 0 <= topk <= min(MAX_K, vocab):
+        raise ValueError(f"the kernels keep top-k lists of 0 to {min(MAX_K, vocab)} entries here, not {topk}")
     dev = lp.device
     k = max(1, topk)
     if lp.stride(-1) != 1:
