@@ -75,10 +75,12 @@ class Side:
     bits: np.ndarray  # uint32
     top1: np.ndarray
     digest: np.ndarray | None  # uint64 or None
+    phase: list | None = None  # None: every row a completion row
 
     def frame(self) -> pd.DataFrame:
         df = pd.DataFrame({"prompt_id": self.prompt_id, "pos": self.pos, "token_id": self.token_id,
-                           "bits": self.bits.astype(np.int64), "top1": self.top1})
+                           "bits": self.bits.astype(np.int64), "top1": self.top1,
+                           "prompt_row": [p == "prompt" for p in self.phase] if self.phase else False})
         # object dtype: pandas would hold uint64 hashes as float64 (rounded) once the merge adds holes
         df["digest"] = pd.Series([None] * len(df) if self.digest is None else [int(d) for d in self.digest], dtype=object)
         return df
@@ -88,7 +90,8 @@ class Side:
                   model={"id": "m"}, tokenizer={"name": "t", "sha256": "1"})
         kw.update(meta)
         records.write_record(path, prompt_id=self.prompt_id, pos=self.pos, token_id=self.token_id,
-                             logprob=self.bits.view(np.float32), top1_id=self.top1, row_digest=self.digest, **kw)
+                             logprob=self.bits.view(np.float32), top1_id=self.top1, row_digest=self.digest,
+                             phase=self.phase, **kw)
         return path
 
 
@@ -105,10 +108,12 @@ def reference(a: Side, b: Side) -> dict:
         both = g[g._merge == "both"]
         out["unmatched_a"] += int((g._merge == "left_only").sum())
         out["unmatched_b"] += int((g._merge == "right_only").sum())
-        # A row one side lacks ends the shared prefix once the other side has begun the prompt: rows
-        # before a side's first row (a generate record has none for the prompt) do not.
+        # A row one side lacks ends the shared prefix, except a prompt row before the other side's
+        # first row (a generate record has none of the prompt's rows).
         first_a, first_b = g.pos[g._merge != "right_only"].min(), g.pos[g._merge != "left_only"].min()
-        lacking = g[((g._merge == "left_only") & (g.pos > first_b)) | ((g._merge == "right_only") & (g.pos > first_a))]
+        early_prompt_a = (g.pos < first_b) & (g.prompt_row_a == True)  # noqa: E712 (NaN where absent)
+        early_prompt_b = (g.pos < first_a) & (g.prompt_row_b == True)  # noqa: E712
+        lacking = g[((g._merge == "left_only") & ~early_prompt_a) | ((g._merge == "right_only") & ~early_prompt_b)]
         breaks = list(lacking.pos) + list(both.pos[both.token_id_a != both.token_id_b])
         div = min(breaks) if breaks else None
         first_lp, max_ulp, n_cmp, n_eq = None, 0, 0, 0
@@ -305,16 +310,20 @@ def test_streaming_gives_identical_results(tmp_path, monkeypatch, seed):
 # ------------------------------------------------------------------------------ explicit cases
 
 
-def _side(prompt_rows: dict[str, list[tuple[int, int, int]]], digest: bool = True, top1: int | None = None) -> Side:
-    """prompt -> [(pos, token, logprob bits)] ; digest = token * 1000 + pos, top1 = token unless given."""
+def _side(prompt_rows: dict[str, list[tuple[int, int, int]]], digest: bool = True, top1: int | None = None,
+          prompt_len: dict[str, int] | None = None) -> Side:
+    """prompt -> [(pos, token, logprob bits)] ; digest = token * 1000 + pos, top1 = token unless given;
+    rows before prompt_len[prompt] are prompt rows (none unless given)."""
     ids, pos, tok, bits = [], [], [], []
     for pid, rows in prompt_rows.items():
         for p, t, lb in rows:
             ids.append(pid), pos.append(p), tok.append(t), bits.append(lb)
+    phase = None if prompt_len is None else ["prompt" if p < prompt_len.get(i, 0) else "completion"
+                                             for i, p in zip(ids, pos)]
     tok_a = np.array(tok)
     dig = (np.array(pos, dtype=np.uint64) + np.uint64(1000) * np.array([hash(i) % 997 for i in ids], dtype=np.uint64)) if digest else None
     return Side(ids, np.array(pos), tok_a, np.array(bits, dtype=np.uint32),
-                tok_a.copy() if top1 is None else np.full(len(ids), top1), dig)
+                tok_a.copy() if top1 is None else np.full(len(ids), top1), dig, phase)
 
 
 ONE = 0x3F800000  # 1.0 (a logprob above 0 is fine for the arithmetic)
@@ -325,9 +334,13 @@ def test_token_divergence_rules(tmp_path):
     seq = [(p, 10 + p, M2 + p) for p in range(8)]
     fork = [(p, t if p < 5 else t + 1, lb) for p, t, lb in seq]
     hole = [row for row in seq if row[0] != 3]
-    a = _side({"fork": seq, "short": seq, "hole": seq, "same": seq, "late": seq, "late-hole": seq})
+    # "late" and "late-hole": A is a score record whose rows 0-2 are the prompt's; "dropped": A
+    # holds completion rows 0-2 that B, begun at 3, lacks.
+    a = _side({"fork": seq, "short": seq, "hole": seq, "same": seq, "late": seq, "late-hole": seq, "dropped": seq},
+              prompt_len={"late": 3, "late-hole": 3})
     late_hole = [row for row in seq[3:] if row[0] != 5]
-    b = _side({"fork": fork, "short": seq[:6], "hole": hole, "same": seq, "late": seq[3:], "late-hole": late_hole})
+    b = _side({"fork": fork, "short": seq[:6], "hole": hole, "same": seq, "late": seq[3:], "late-hole": late_hole,
+               "dropped": seq[3:]})
     b.digest[[i for i, (pid, p) in enumerate(zip(b.prompt_id, b.pos)) if pid == "fork" and p >= 6]] += np.uint64(1)
     r = diff_records(a.write(tmp_path / "a.parquet"), b.write(tmp_path / "b.parquet"))
     assert_matches_reference(r, reference(a, b))
@@ -343,15 +356,18 @@ def test_token_divergence_rules(tmp_path):
     assert (by["late"].first_token_divergence, by["late"].comparable, by["late"].matched) == (None, 5, 5)
     # late-hole: begun at 3, B then lacks pos 5: that ends the shared prefix
     assert (by["late-hole"].first_token_divergence, by["late-hole"].comparable) == (5, 2)
-    assert r.after_divergence == 2 + 4 + 2  # fork 6,7; hole 4..7; late-hole 6,7
-    assert (r.unmatched_a, r.unmatched_b) == (2 + 1 + 3 + 4, 0)
+    # dropped: a completion row B lacks ends the shared prefix even before B's first row
+    assert (by["dropped"].first_token_divergence, by["dropped"].comparable, by["dropped"].token_match) == (0, 0, False)
+    assert r.after_divergence == 2 + 4 + 2 + 5  # fork 6,7; hole 4..7; late-hole 6,7; dropped 3..7
+    assert (r.unmatched_a, r.unmatched_b) == (2 + 1 + 3 + 4 + 3, 0)
+    assert not r.identical
     # digests at fork pos 6, 7 differ but sit after the divergence: not compared, so all compared are equal
     assert r.digest_equal == r.digest_compared == 8 + 6 + 6 + 3 + 5 + 2  # same; fork, short: 0-5; hole: 0-2; late; late-hole: 3-4
     # top1 = token on each side: at fork pos 5 they differ, and that row is compared
     assert (r.top1_compared, r.top1_compared - r.top1_equal) == (30, 1)
-    assert r.bitwise_equal == r.comparable and r.seq_token_match_rate == 2 / 6  # same, late
+    assert r.bitwise_equal == r.comparable and r.seq_token_match_rate == 2 / 7  # same, late
     assert not r.passed
-    assert any("4 of 6 sequences differ in tokens or length (first: 'fork' at pos 5)" in x for x in r.reasons)
+    assert any("5 of 7 sequences differ in tokens or length (first: 'dropped' at pos 0)" in x for x in r.reasons)
     assert "1 of 30 positions change their most likely token" in r.reasons  # strict: a moved argmax fails too
     assert not r.identical
 

@@ -60,13 +60,18 @@ class Accumulator:
         nz = np.flatnonzero(self.small_hist)
         return sum(map(operator.mul, nz.tolist(), self.small_hist[nz].tolist())) + sum(int(x.sum()) for x in self.large)
 
-    def unmatched(self, keys: np.ndarray, other_first: np.ndarray) -> None:
-        """Rows one side has and the other lacks end the shared prefix of their prompt, unless the
-        other side has not begun that prompt yet (`other_first`: its first position per prompt)."""
+    def unmatched(self, keys: np.ndarray, other_first: np.ndarray, prompt_row: np.ndarray | None) -> None:
+        """Rows one side has and the other lacks end the shared prefix of their prompt, unless they
+        are prompt rows (`prompt_row`; None: none is) before the other side's first position of
+        that prompt (`other_first`): a generate record begins at the prompt's end."""
         if len(keys):
             rank, pos = keys >> 32, keys & _POS_MASK
-            late = other_first[rank] < pos
-            _first_per_prompt(self.token_div, rank[late], pos[late])
+            ends = other_first[rank] < pos
+            if prompt_row is None:
+                ends[:] = True
+            else:
+                ends |= ~prompt_row
+            _first_per_prompt(self.token_div, rank[ends], pos[ends])
 
     def matched_rows(self, a: Chunk, b: Chunk) -> None:
         """Rows with the same keys, in the same order (a.rank == b.rank, a.pos == b.pos)."""

@@ -21,9 +21,10 @@ row the other lacks, once both have begun) is that prompt's *token divergence*; 
 the row at it still shares its context (so its distribution digest, top-1 and top-k are
 compared), rows after it are counted but not compared. In score mode tokens never differ,
 so every row is compared; in generate mode, comparison stops where greedy decoding forked.
-Rows before the other side's first row of a prompt do not end its shared prefix: a generate
-record starts at the prompt's end, so a trainer's score record (prompt and completion) and a
-rollout's generate record compare on the completion.
+A prompt row (phase "prompt") before the other side's first row of a prompt does not end its
+shared prefix: a generate record starts at the prompt's end, so a trainer's score record
+(prompt and completion) and a rollout's generate record compare on the completion. A
+completion row the other side lacks ends it wherever it is.
 """
 
 from __future__ import annotations
@@ -60,14 +61,14 @@ def _align(acc: Accumulator, a: Chunk, b: Chunk) -> None:
     hit = (ia < len(b)) & (kb[ia_clip] == ka) if len(b) else np.zeros(len(a), dtype=bool)
     hit_b = np.zeros(len(b), dtype=bool)
     hit_b[ia[hit]] = True
-    acc.unmatched(ka[~hit], acc.first_b)
-    acc.unmatched(kb[~hit_b], acc.first_a)
+    acc.unmatched(ka[~hit], acc.first_b, None if a.prompt_row is None else a.prompt_row[~hit])
+    acc.unmatched(kb[~hit_b], acc.first_a, None if b.prompt_row is None else b.prompt_row[~hit_b])
     acc.matched_rows(a.take(hit), b.take(ia[hit]))
 
 
 _EMPTY = Chunk(np.empty(0, np.int32), np.empty(0, np.int32), np.empty(0, np.int32), np.empty(0, np.uint32),
                 None, None, np.empty(0, np.int32), np.empty((0, 0), np.int32), np.empty((0, 0), np.uint32), None,
-                key=np.empty(0, np.int64))
+                None, key=np.empty(0, np.int64))
 
 
 def _merge(acc: Accumulator, sa: Iterator[Chunk], sb: Iterator[Chunk]) -> None:
@@ -104,7 +105,7 @@ def _fix_digest(c: Chunk, other: Chunk) -> Chunk:
     # A chunk from a file with digests in some batches and not others: treat the absent ones as invalid.
     if c.digest is None and other.digest is not None:
         return Chunk(c.rank, c.pos, c.token, c.bits, np.zeros(len(c), np.uint64), np.zeros(len(c), bool), c.top1,
-                      c.topk_ids, c.topk_bits, c.topk_len, bounds=c._bounds, key=c._key)
+                      c.topk_ids, c.topk_bits, c.topk_len, c.prompt_row, bounds=c._bounds, key=c._key)
     return c
 
 
