@@ -76,12 +76,13 @@ class Chunk:
     """Consecutive rows of one record, in canonical order, as numpy arrays (views of Arrow memory)."""
 
     __slots__ = ("rank", "pos", "token", "bits", "digest", "digest_ok", "top1", "topk_ids", "topk_bits", "topk_len",
-                 "prompt_row", "_bounds", "_key")
+                 "phase", "prompt_phase", "_bounds", "_key")
 
     def __init__(self, rank: np.ndarray, pos: np.ndarray, token: np.ndarray, bits: np.ndarray,
                  digest: np.ndarray | None, digest_ok: np.ndarray | None, top1: np.ndarray,
                  topk_ids: np.ndarray, topk_bits: np.ndarray, topk_len: np.ndarray | None,
-                 prompt_row: np.ndarray | None = None, bounds: np.ndarray | None = None, key: np.ndarray | None = None):
+                 phase: np.ndarray | None = None, prompt_phase: np.ndarray | None = None,
+                 bounds: np.ndarray | None = None, key: np.ndarray | None = None):
         self.rank = rank  # int32: index of the prompt in the sorted union of both records' prompts
         self.pos = pos  # int32, >= 0, strictly increasing within a prompt
         self.token = token  # int32
@@ -92,7 +93,10 @@ class Chunk:
         self.topk_ids = topk_ids  # int32 (rows, w); w = 0 when no row has a top-k list
         self.topk_bits = topk_bits  # uint32 (rows, w): the top-k logprobs' bit patterns
         self.topk_len = topk_len  # int32 entries per row (the rest is zero padding), or None: every row has w
-        self.prompt_row = prompt_row  # bool: the row's phase is "prompt"; None when every row is a completion row
+        # int8 phase codes and, per code, whether it is "prompt"; None when the record has no prompt
+        # rows. Only rows one side lacks read them (prompt_rows), so the aligned path never does.
+        self.phase = phase
+        self.prompt_phase = prompt_phase
         self._bounds = bounds
         self._key = key
 
@@ -120,7 +124,11 @@ class Chunk:
         pick = lambda x: None if x is None else x[sl]  # noqa: E731
         return Chunk(self.rank[sl], self.pos[sl], self.token[sl], self.bits[sl], pick(self.digest),
                       pick(self.digest_ok), self.top1[sl], self.topk_ids[sl], self.topk_bits[sl], pick(self.topk_len),
-                      pick(self.prompt_row), key=pick(self._key))
+                      pick(self.phase), self.prompt_phase, key=pick(self._key))
+
+    def prompt_rows(self, sel: np.ndarray) -> np.ndarray | None:
+        """Whether the rows `sel` are prompt rows; None when none of this record's rows is."""
+        return None if self.phase is None else self.prompt_phase[self.phase[sel]]
 
     def topk_rows(self) -> np.ndarray | None:
         """Which rows hold a top-k list: None when every row does."""
@@ -199,7 +207,7 @@ def _validated_chunks(pf, fd: int, path: Path, rank_of: dict[str, int], rows_per
                       batch_rows: int, work: "Work") -> Iterator[Chunk]:
     last = -1  # key of the previous batch's last row
     dictionary, lut, identity = None, None, False
-    phases, prompt_code = pa.array([], pa.string()), np.zeros(0, bool)
+    phases, prompt_phase = pa.array([], pa.string()), np.zeros(0, bool)
     for batch, topk_ids_lists, topk_lp_lists, start in _batches(pf, fd, path, batch_rows, work):
         n = batch.num_rows
         if not n:
@@ -237,10 +245,7 @@ def _validated_chunks(pf, fd: int, path: Path, rank_of: dict[str, int], rows_per
         phase = batch.column("phase")
         if not phase.dictionary.equals(phases):
             phases = phase.dictionary
-            prompt_code = np.array([v == "prompt" for v in phases.to_pylist()], dtype=bool)
-        prompt_row = prompt_code[_values(phase.indices, np.int8)] if prompt_code.any() else None
-        if prompt_row is not None and not prompt_row.any():
-            prompt_row = None
+            prompt_phase = np.array([v == "prompt" for v in phases.to_pylist()], dtype=bool)
         yield Chunk(
             rank=rank, pos=pos,
             token=_values(batch.column("token_id"), np.int32),
@@ -248,7 +253,7 @@ def _validated_chunks(pf, fd: int, path: Path, rank_of: dict[str, int], rows_per
             digest=digest, digest_ok=digest_ok,
             top1=_values(batch.column("top1_id"), np.int32),
             topk_ids=topk_ids, topk_bits=topk_bits, topk_len=topk_len,
-            prompt_row=prompt_row,
+            phase=_values(phase.indices, np.int8) if prompt_phase.any() else None, prompt_phase=prompt_phase,
             bounds=bounds,
         )
 

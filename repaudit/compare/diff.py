@@ -61,14 +61,14 @@ def _align(acc: Accumulator, a: Chunk, b: Chunk) -> None:
     hit = (ia < len(b)) & (kb[ia_clip] == ka) if len(b) else np.zeros(len(a), dtype=bool)
     hit_b = np.zeros(len(b), dtype=bool)
     hit_b[ia[hit]] = True
-    acc.unmatched(ka[~hit], acc.first_b, None if a.prompt_row is None else a.prompt_row[~hit])
-    acc.unmatched(kb[~hit_b], acc.first_a, None if b.prompt_row is None else b.prompt_row[~hit_b])
+    acc.unmatched(ka[~hit], acc.first_b, a.prompt_rows(~hit))
+    acc.unmatched(kb[~hit_b], acc.first_a, b.prompt_rows(~hit_b))
     acc.matched_rows(a.take(hit), b.take(ia[hit]))
 
 
 _EMPTY = Chunk(np.empty(0, np.int32), np.empty(0, np.int32), np.empty(0, np.int32), np.empty(0, np.uint32),
                 None, None, np.empty(0, np.int32), np.empty((0, 0), np.int32), np.empty((0, 0), np.uint32), None,
-                None, key=np.empty(0, np.int64))
+                key=np.empty(0, np.int64))
 
 
 def _merge(acc: Accumulator, sa: Iterator[Chunk], sb: Iterator[Chunk]) -> None:
@@ -105,7 +105,7 @@ def _fix_digest(c: Chunk, other: Chunk) -> Chunk:
     # A chunk from a file with digests in some batches and not others: treat the absent ones as invalid.
     if c.digest is None and other.digest is not None:
         return Chunk(c.rank, c.pos, c.token, c.bits, np.zeros(len(c), np.uint64), np.zeros(len(c), bool), c.top1,
-                      c.topk_ids, c.topk_bits, c.topk_len, c.prompt_row, bounds=c._bounds, key=c._key)
+                      c.topk_ids, c.topk_bits, c.topk_len, c.phase, c.prompt_phase, bounds=c._bounds, key=c._key)
     return c
 
 
