@@ -36,7 +36,7 @@ def metric_rows(r: DiffResult) -> list[tuple[str, str]]:
         ("compared logprobs", f"{r.comparable}" + (f" ({r.after_divergence} after token divergence not compared)" if r.after_divergence else "")),
         ("bitwise-equal logprobs", f"{r.bitwise_equal}/{r.comparable} ({pct(r.bitwise_equal, r.comparable)})"),
         ("equal row digests", held(r.digest_equal, r.digest_compared, r.digest_only_a, r.digest_only_b, "n/a (no digests)")),
-        ("ULP max / mean / p50 / p99", f"{r.ulp_max} / {r.ulp_mean:.6g} / {r.ulp_p50} / {r.ulp_p99}"),
+        ("ULP max / mean / p50 / p99", f"{r.ulp_max} / {num(r.ulp_mean)} / {r.ulp_p50} / {r.ulp_p99}"),
         ("|Δ logprob| max / mean", f"{num(r.abs_max)} / {num(r.abs_mean)}"),
         ("max |Δ prob|", num(r.prob_max)),
         ("NaN vs number / NaN payload differs", f"{r.nan_vs_number} / {r.nan_payload_differs}"),

@@ -44,7 +44,7 @@ def pair_row(data: ReportData, p: PairView) -> dict[str, str]:
         "verdict": ("IDENTICAL" if r.identical else "pass") if r.passed else "FAIL",
         "bitwise-equal": ratio(r.bitwise_equal, r.comparable),
         "equal row digests": held(r.digest_equal, r.digest_compared, r.digest_only_a, r.digest_only_b, "n/a"),
-        "ULP max / p99 / mean": f"{r.ulp_max} / {r.ulp_p99} / {r.ulp_mean:.6g}",
+        "ULP max / p99 / mean": f"{r.ulp_max} / {r.ulp_p99} / {num(r.ulp_mean)}",
         "max |Δ logprob|": num(r.abs_max),
         "max |Δ prob|": num(r.prob_max),
         "top-1 agreement": held(r.top1_equal, r.top1_compared, r.top1_only_a, r.top1_only_b, "n/a"),
