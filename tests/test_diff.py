@@ -609,3 +609,22 @@ def test_verdict_thresholds():
     assert verdict(digest, Thresholds(max_ulp=0)) == (True, [])  # a tolerance relaxes digests too
     nan = _result(comparable=2, bitwise_equal=1, nan_vs_number=1)
     assert verdict(nan, Thresholds(max_ulp=10**9))[0] is False  # NaN vs number is never tolerated
+
+
+def test_a_record_without_a_phase_list_is_read_with_its_phase_column(tmp_path):
+    """Records written before `repaudit.phases` existed: the diff reads their phase column, so a
+    score record's prompt rows are still exempt and a generate record's missing rows are not."""
+    import pyarrow.parquet as pq
+
+    seq = [(p, 10 + p, M2 + p) for p in range(8)]
+    a = _side({"late": seq, "dropped": seq}, prompt_len={"late": 3})
+    b = _side({"late": seq[3:], "dropped": seq[3:]})
+    path_a = a.write(tmp_path / "a.parquet")
+    table = pq.read_table(path_a)
+    md = {k: v for k, v in table.schema.metadata.items() if k != b"repaudit.phases"}
+    old = tmp_path / "old.parquet"
+    pq.write_table(table.replace_schema_metadata(md), old)
+    assert records.read_meta(old).phases is None and records.read_meta(path_a).phases == ["completion", "prompt"]
+    for path in (path_a, old):
+        by = {p.prompt_id: p for p in diff_records(path, b.write(tmp_path / "b.parquet")).prompts}
+        assert by["late"].first_token_divergence is None and by["dropped"].first_token_divergence == 0

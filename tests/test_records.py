@@ -15,7 +15,7 @@ import pytest
 from repaudit.record import io as records
 from repaudit.errors import InputError
 from repaudit.records import RecordMeta, build_table, load_frame, open_record, read_meta, write_record, write_table
-from repaudit.record.schema import KEY_CELL, KEY_ENV, KEY_PROMPTS, KEY_TOPK, KEY_VERSION, REQUIRED_KEYS, SCHEMA
+from repaudit.record.schema import KEY_CELL, KEY_ENV, KEY_PHASES, KEY_PROMPTS, KEY_TOPK, KEY_VERSION, REQUIRED_KEYS, SCHEMA
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "format.md"
 
@@ -259,8 +259,9 @@ def test_metadata_keys_and_json_shapes(make_record):
                        cell={"id": "cell-1", "tp": 2}, env={"torch": "2.9", "vars": {"NCCL_ALGO": "Ring"}})
     raw = pq.read_schema(path).metadata
     keys = {k.decode() for k in raw}
-    assert keys == {KEY_VERSION, *REQUIRED_KEYS}
+    assert keys == {KEY_VERSION, KEY_PHASES, *REQUIRED_KEYS}
     assert raw[KEY_VERSION.encode()] == b"1"
+    assert json.loads(raw[KEY_PHASES.encode()]) == ["completion"]
     assert json.loads(raw[KEY_CELL.encode()]) == {"id": "cell-1", "tp": 2}
     assert json.loads(raw[KEY_ENV.encode()]) == {"torch": "2.9", "vars": {"NCCL_ALGO": "Ring"}}
     assert json.loads(raw[KEY_PROMPTS.encode()]) == ["p", "q"]
@@ -297,6 +298,8 @@ BAD_METADATA = [
     *[({key: None}, f"metadata key '{key}' is missing") for key in REQUIRED_KEYS],
     ({KEY_CELL: "{not json"}, "is not valid JSON"),
     ({KEY_CELL: '{"tp": 1}'}, "must be an object with an 'id'"),
+    ({KEY_PHASES: '["answer"]'}, "must be a list of prompt, completion"),
+    ({KEY_PHASES: "[not json"}, "is not valid JSON"),
     ({KEY_CELL: "[1]"}, "must be an object with an 'id'"),
     ({KEY_ENV: "3"}, "'repaudit.env' must be a JSON object"),
     ({"repaudit.probes": "[]"}, "'repaudit.probes' must be a JSON object"),
@@ -434,5 +437,5 @@ def test_doc_describes_every_column_and_metadata_key():
     text = DOCS.read_text()
     for field in SCHEMA:
         assert f"`{field.name}`" in text, field.name
-    for key in (KEY_VERSION, *REQUIRED_KEYS):
+    for key in (KEY_VERSION, KEY_PHASES, *REQUIRED_KEYS):
         assert f"`{key}`" in text, key

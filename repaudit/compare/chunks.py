@@ -19,7 +19,7 @@ from .work import Work
 
 _FLAT_COLUMNS = ["prompt_id", "pos", "phase", "token_id", "logprob", "top1_id", "row_digest"]
 _COLUMNS = _FLAT_COLUMNS + ["topk_ids", "topk_logprobs"]
-_NOT_NULL = ("prompt_id", "pos", "phase", "token_id", "logprob", "top1_id")
+_NOT_NULL = ("prompt_id", "pos", "token_id", "logprob", "top1_id")
 INF_BITS = 0x7F800000  # magnitude bits of inf; a larger magnitude is a NaN
 
 
@@ -171,7 +171,8 @@ def _refuse_rows(path: Path, dictionary: pa.Array, indices: np.ndarray, rank: np
     )
 
 
-def _batches(pf, fd: int, path: Path, batch_rows: int, work: "Work") -> Iterator[tuple[pa.RecordBatch, "Lists", "Lists", int]]:
+def _batches(pf, fd: int, path: Path, batch_rows: int, work: "Work",
+             phase: bool) -> Iterator[tuple[pa.RecordBatch, "Lists", "Lists", int]]:
     """(batch, its top-k ids, its top-k logprobs, where the batch starts in those lists), in batches of
     at most batch_rows rows, one row group at a time: a row group that fits in a batch is read whole, a
     larger one streamed in batches. (iter_batches over the whole file would hold far more of it in
@@ -181,6 +182,8 @@ def _batches(pf, fd: int, path: Path, batch_rows: int, work: "Work") -> Iterator
     for i in range(meta.num_row_groups):
         lists = direct_topk(pf, fd, i, work)
         columns = _FLAT_COLUMNS if lists else _COLUMNS
+        if not phase:
+            columns = [c for c in columns if c != "phase"]
         if meta.row_group(i).num_rows <= batch_rows:
             batches = pf.read_row_group(i, columns=columns, use_threads=True).to_batches()
         else:
@@ -196,19 +199,21 @@ def _batches(pf, fd: int, path: Path, batch_rows: int, work: "Work") -> Iterator
 
 
 def read_chunks(pf, path: Path, rank_of: dict[str, int], rows_per_prompt: np.ndarray,
-                 batch_rows: int) -> Iterator[Chunk]:
-    """Batches of one record as _Chunks, validated: canonical order, known prompts, pos >= 0."""
+                 batch_rows: int, phase: bool = True) -> Iterator[Chunk]:
+    """Batches of one record as _Chunks, validated: canonical order, known prompts, pos >= 0.
+    phase=False: the record holds no prompt rows (its footer says so), and its phase column is
+    not read."""
     work = Work()  # this thread's own
     with open(path, "rb") as file:  # for the top-k pages
-        yield from _validated_chunks(pf, file.fileno(), path, rank_of, rows_per_prompt, batch_rows, work)
+        yield from _validated_chunks(pf, file.fileno(), path, rank_of, rows_per_prompt, batch_rows, work, phase)
 
 
 def _validated_chunks(pf, fd: int, path: Path, rank_of: dict[str, int], rows_per_prompt: np.ndarray,
-                      batch_rows: int, work: "Work") -> Iterator[Chunk]:
+                      batch_rows: int, work: "Work", read_phase: bool) -> Iterator[Chunk]:
     last = -1  # key of the previous batch's last row
     dictionary, lut, identity = None, None, False
-    phases, prompt_phase = pa.array([], pa.string()), np.zeros(0, bool)
-    for batch, topk_ids_lists, topk_lp_lists, start in _batches(pf, fd, path, batch_rows, work):
+    phases, prompt_phase = None, np.zeros(0, bool)
+    for batch, topk_ids_lists, topk_lp_lists, start in _batches(pf, fd, path, batch_rows, work, read_phase):
         n = batch.num_rows
         if not n:
             continue
@@ -242,8 +247,10 @@ def _validated_chunks(pf, fd: int, path: Path, rank_of: dict[str, int], rows_per
             digest = _values(dig, np.uint64)  # under a null: whatever the buffer holds, masked by digest_ok
             digest_ok = _validity(dig) if dig.null_count else None
         topk_ids, topk_bits, topk_len = _topk(topk_ids_lists, topk_lp_lists, start, n, path)
-        phase = batch.column("phase")
-        if not phase.dictionary.equals(phases):
+        phase = batch.column("phase") if read_phase else None
+        if phase is not None and phase.null_count:
+            raise InputError(f"{path}: corrupt data: nulls in column 'phase'")
+        if phase is not None and (phases is None or not phase.dictionary.equals(phases)):
             phases = phase.dictionary
             prompt_phase = np.array([v == "prompt" for v in phases.to_pylist()], dtype=bool)
         yield Chunk(
@@ -253,7 +260,8 @@ def _validated_chunks(pf, fd: int, path: Path, rank_of: dict[str, int], rows_per
             digest=digest, digest_ok=digest_ok,
             top1=_values(batch.column("top1_id"), np.int32),
             topk_ids=topk_ids, topk_bits=topk_bits, topk_len=topk_len,
-            phase=_values(phase.indices, np.int8) if prompt_phase.any() else None, prompt_phase=prompt_phase,
+            phase=_values(phase.indices, np.int8) if phase is not None and prompt_phase.any() else None,
+            prompt_phase=prompt_phase,
             bounds=bounds,
         )
 

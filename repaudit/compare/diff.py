@@ -137,12 +137,17 @@ def diff_records(
     acc = Accumulator(len(union))
     _merge(
         acc,
-        prefetched(read_chunks(pf_a, path_a, rank_of, acc.rows_a, batch_rows), path_a),
-        prefetched(read_chunks(pf_b, path_b, rank_of, acc.rows_b, batch_rows), path_b),
+        prefetched(read_chunks(pf_a, path_a, rank_of, acc.rows_a, batch_rows, _has_prompt_rows(meta_a)), path_a),
+        prefetched(read_chunks(pf_b, path_b, rank_of, acc.rows_b, batch_rows, _has_prompt_rows(meta_b)), path_b),
     )
     result = _finish(acc, meta_a, meta_b, union, thresholds, clip)
     result.refusals = problems
     return result
+
+
+def _has_prompt_rows(meta: RecordMeta) -> bool:
+    """Whether a record may hold prompt rows: its footer's phase list says, else assume it may."""
+    return meta.phases is None or "prompt" in meta.phases
 
 
 def _finish(acc: Accumulator, a: RecordMeta, b: RecordMeta, union: list[str], th: Thresholds,

@@ -19,11 +19,12 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from ..errors import InputError
 from ..files import atomic_target
-from .schema import (KEY_CELL, KEY_ENV, KEY_MODEL, KEY_PROBES, KEY_PROMPTS, KEY_TOKENIZER, KEY_TOPK, KEY_VERSION, PHASES,
+from .schema import (KEY_CELL, KEY_ENV, KEY_MODEL, KEY_PHASES, KEY_PROBES, KEY_PROMPTS, KEY_TOKENIZER, KEY_TOPK, KEY_VERSION, PHASES,
                      REQUIRED_KEYS, ROW_GROUP_ROWS, SCHEMA, SCHEMA_VERSION)
 
 
@@ -39,6 +40,7 @@ class RecordMeta:
     prompts: list[str]
     topk: int
     num_rows: int = 0
+    phases: list[str] | None = None  # the phases present in the rows; None: the record does not say
     path: Path | None = field(default=None, compare=False)
 
     @property
@@ -167,6 +169,8 @@ def write_table(path: str | os.PathLike, table: pa.Table, meta: RecordMeta, *, o
     path = Path(path)
     ids = table.column("prompt_id").combine_chunks()
     prompts = sorted(set(ids.dictionary.to_pylist()[i] for i in np.unique(ids.indices.to_numpy()))) if len(ids) else []
+    phase = table.column("phase").combine_chunks()
+    phases = sorted({phase.dictionary.to_pylist()[i] for i in pc.unique(phase.indices).to_pylist()})
     metadata = {
         KEY_VERSION: str(SCHEMA_VERSION).encode(),
         KEY_CELL: _json(meta.cell),
@@ -176,6 +180,7 @@ def write_table(path: str | os.PathLike, table: pa.Table, meta: RecordMeta, *, o
         KEY_TOKENIZER: _json(meta.tokenizer),
         KEY_PROMPTS: _json(prompts),
         KEY_TOPK: _json(int(meta.topk)),
+        KEY_PHASES: _json(phases),
     }
     if "id" not in meta.cell:
         raise InputError("cell metadata needs an 'id'")
@@ -189,7 +194,7 @@ def write_table(path: str | os.PathLike, table: pa.Table, meta: RecordMeta, *, o
         write_statistics=["prompt_id", "pos"],
     ) as writer:
         writer.write_table(table, row_group_size=ROW_GROUP_ROWS)
-    return RecordMeta(**{**meta.__dict__, "prompts": prompts, "num_rows": table.num_rows, "path": path})
+    return RecordMeta(**{**meta.__dict__, "prompts": prompts, "num_rows": table.num_rows, "phases": phases, "path": path})
 
 
 def write_record(
@@ -286,7 +291,16 @@ def _validated(path: Path) -> tuple[pq.ParquetFile, RecordMeta]:
     topk = values[KEY_TOPK]
     if not isinstance(topk, int) or isinstance(topk, bool) or topk < 0:
         raise InputError(f"{path}: metadata {KEY_TOPK!r} must be a non-negative integer")
+    phases = raw.get(KEY_PHASES.encode())
+    if phases is not None:
+        try:
+            phases = json.loads(phases)
+        except ValueError:
+            raise InputError(f"{path}: metadata key {KEY_PHASES!r} is not valid JSON") from None
+        if not isinstance(phases, list) or not set(phases) <= set(PHASES):
+            raise InputError(f"{path}: metadata {KEY_PHASES!r} must be a list of {', '.join(PHASES)}")
     meta = RecordMeta(
+        phases=phases,
         cell=values[KEY_CELL],
         env=values[KEY_ENV],
         probes=values[KEY_PROBES],

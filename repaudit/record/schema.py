@@ -37,6 +37,7 @@ KEY_MODEL = "repaudit.model"  # object: {"id", "weights_sha256" (or null)}
 KEY_TOKENIZER = "repaudit.tokenizer"  # object: {"name", "sha256"}
 KEY_PROMPTS = "repaudit.prompts"  # array of the prompt ids present, sorted
 KEY_TOPK = "repaudit.topk"  # integer k (0 = top-k columns hold empty lists)
+KEY_PHASES = "repaudit.phases"  # optional: array of the phases present, sorted (absent in older records)
 
 REQUIRED_KEYS = (KEY_CELL, KEY_ENV, KEY_PROBES, KEY_MODEL, KEY_TOKENIZER, KEY_PROMPTS, KEY_TOPK)
 
