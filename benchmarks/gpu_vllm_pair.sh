@@ -14,7 +14,7 @@ cd "$(dirname "$0")/.."
 source benchmarks/gpu_vllm_setup.sh
 cp reports/perf/vllm_speed.json "$OUT/"
 step "vLLM stock,tbik TP=2: speed"
-timeout "${SPEED_BUDGET:-300}" python3 benchmarks/vllm_speed.py --model "$MODEL" --tp 2 --kernels stock,tbik --runs 3 \
+timeout "${SPEED_BUDGET:-420}" python3 benchmarks/vllm_speed.py --model "$MODEL" --tp 2 --kernels stock,tbik --runs 3 \
   --json "$OUT/vllm_speed.json" > "$OUT/speed-tp2.log" 2>&1
 echo "exit $?" >> "$OUT/speed-tp2.log"
 grep -E "run:|tok/s|^exit" "$OUT/speed-tp2.log" | tail -n 20
