@@ -66,12 +66,10 @@ class Accumulator:
         that prompt (`other_first`): a generate record begins at the prompt's end."""
         if len(keys):
             rank, pos = keys >> 32, keys & _POS_MASK
-            ends = other_first[rank] < pos
-            if prompt_row is None:
-                ends[:] = True
-            else:
-                ends |= ~prompt_row
-            _first_per_prompt(self.token_div, rank[ends], pos[ends])
+            if prompt_row is not None:
+                ends = ~prompt_row | (other_first[rank] < pos)
+                rank, pos = rank[ends], pos[ends]
+            _first_per_prompt(self.token_div, rank, pos)
 
     def matched_rows(self, a: Chunk, b: Chunk) -> None:
         """Rows with the same keys, in the same order (a.rank == b.rank, a.pos == b.pos)."""

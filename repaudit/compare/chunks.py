@@ -172,7 +172,7 @@ def _refuse_rows(path: Path, dictionary: pa.Array, indices: np.ndarray, rank: np
 
 
 def _batches(pf, fd: int, path: Path, batch_rows: int, work: "Work",
-             phase: bool) -> Iterator[tuple[pa.RecordBatch, "Lists", "Lists", int]]:
+             read_phase: bool) -> Iterator[tuple[pa.RecordBatch, "Lists", "Lists", int]]:
     """(batch, its top-k ids, its top-k logprobs, where the batch starts in those lists), in batches of
     at most batch_rows rows, one row group at a time: a row group that fits in a batch is read whole, a
     larger one streamed in batches. (iter_batches over the whole file would hold far more of it in
@@ -182,7 +182,7 @@ def _batches(pf, fd: int, path: Path, batch_rows: int, work: "Work",
     for i in range(meta.num_row_groups):
         lists = direct_topk(pf, fd, i, work)
         columns = _FLAT_COLUMNS if lists else _COLUMNS
-        if not phase:
+        if not read_phase:
             columns = [c for c in columns if c != "phase"]
         if meta.row_group(i).num_rows <= batch_rows:
             batches = pf.read_row_group(i, columns=columns, use_threads=True).to_batches()
@@ -199,13 +199,13 @@ def _batches(pf, fd: int, path: Path, batch_rows: int, work: "Work",
 
 
 def read_chunks(pf, path: Path, rank_of: dict[str, int], rows_per_prompt: np.ndarray,
-                 batch_rows: int, phase: bool = True) -> Iterator[Chunk]:
+                 batch_rows: int, read_phase: bool = True) -> Iterator[Chunk]:
     """Batches of one record as _Chunks, validated: canonical order, known prompts, pos >= 0.
-    phase=False: the record holds no prompt rows (its footer says so), and its phase column is
-    not read."""
+    read_phase=False: the record holds no prompt rows (its footer says so), and its phase column
+    is not read."""
     work = Work()  # this thread's own
     with open(path, "rb") as file:  # for the top-k pages
-        yield from _validated_chunks(pf, file.fileno(), path, rank_of, rows_per_prompt, batch_rows, work, phase)
+        yield from _validated_chunks(pf, file.fileno(), path, rank_of, rows_per_prompt, batch_rows, work, read_phase)
 
 
 def _validated_chunks(pf, fd: int, path: Path, rank_of: dict[str, int], rows_per_prompt: np.ndarray,

@@ -163,14 +163,17 @@ def build_table(
     return pa.Table.from_arrays(columns, schema=SCHEMA)
 
 
+def _present(table: pa.Table, column: str) -> list[str]:
+    """The values a dictionary column's rows hold, sorted."""
+    col = table.column(column).combine_chunks()
+    return sorted({col.dictionary.to_pylist()[i] for i in pc.unique(col.indices).to_pylist()})
+
+
 def write_table(path: str | os.PathLike, table: pa.Table, meta: RecordMeta, *, overwrite: bool = True) -> RecordMeta:
     """Write a canonical-order table atomically (temporary name, fsync, rename). With
     overwrite=False an existing record is never replaced: FileExistsError instead."""
     path = Path(path)
-    ids = table.column("prompt_id").combine_chunks()
-    prompts = sorted(set(ids.dictionary.to_pylist()[i] for i in np.unique(ids.indices.to_numpy()))) if len(ids) else []
-    phase = table.column("phase").combine_chunks()
-    phases = sorted({phase.dictionary.to_pylist()[i] for i in pc.unique(phase.indices).to_pylist()})
+    prompts, phases = _present(table, "prompt_id"), _present(table, "phase")
     metadata = {
         KEY_VERSION: str(SCHEMA_VERSION).encode(),
         KEY_CELL: _json(meta.cell),

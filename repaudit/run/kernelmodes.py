@@ -18,6 +18,7 @@ whose plan uses colwise/rowwise linear layers is covered; anything else is refus
 
 from __future__ import annotations
 
+import functools
 from contextlib import ExitStack, contextmanager
 from typing import Iterator
 
@@ -192,21 +193,7 @@ def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
 
 
 def _is_llama_rms_norm(module: torch.nn.Module) -> bool:
-    import inspect
-    import textwrap
-
-    forward = type(module).forward
-    if forward in _NORM_FORMS:
-        return _NORM_FORMS[forward]
-    try:
-        source = textwrap.dedent(inspect.getsource(forward))
-    except (OSError, TypeError):
-        source = ""
-    _NORM_FORMS[forward] = " ".join(source.split()) == " ".join(_LLAMA_RMS_NORM.split())
-    return _NORM_FORMS[forward]
-
-
-_NORM_FORMS: dict = {}
+    return _same_code(type(module).forward, _LLAMA_RMS_NORM)
 
 
 def _fused_norms(model: torch.nn.Module) -> list[tuple[torch.nn.Module, object]]:
@@ -242,33 +229,34 @@ def rotate_half(x):
 """)
 
 
-def _body(source: str) -> str:
-    """A function's code without its decorators and docstring, as an AST dump."""
+@functools.lru_cache(maxsize=None)
+def _same_code(func, canonical: str) -> bool:
+    """Whether a function's code (decorators, docstring, comments and layout aside: its AST) is
+    the canonical source's."""
     import ast
+    import inspect
+    import textwrap
 
-    fn = ast.parse(source).body[0]
-    body = fn.body[1:] if fn.body and isinstance(fn.body[0], ast.Expr) and isinstance(fn.body[0].value, ast.Constant) else fn.body
-    return ast.dump(ast.Module(body=body, type_ignores=[])) + ast.dump(fn.args)
+    def body(source: str) -> str:
+        fn = ast.parse(source).body[0]
+        doc = fn.body and isinstance(fn.body[0], ast.Expr) and isinstance(fn.body[0].value, ast.Constant)
+        return ast.dump(ast.Module(body=fn.body[1:] if doc else fn.body, type_ignores=[])) + ast.dump(fn.args)
+
+    try:
+        return body(textwrap.dedent(inspect.getsource(inspect.unwrap(func)))) == body(canonical)
+    except (OSError, TypeError, SyntaxError):
+        return False
 
 
 def _rope_modules(model: torch.nn.Module) -> list:
     """The modeling modules of the model's layers whose rotary embedding is Llama's."""
-    import inspect
     import sys
-    import textwrap
 
-    want = [_body(src) for src in _LLAMA_ROPE]
     found = []
     for name in sorted({type(m).__module__ for m in model.modules()}):
         module = sys.modules.get(name)
         funcs = [getattr(module, f, None) for f in ("apply_rotary_pos_emb", "rotate_half")]
-        if module is None or not all(callable(f) for f in funcs):
-            continue
-        try:
-            got = [_body(textwrap.dedent(inspect.getsource(inspect.unwrap(f)))) for f in funcs]
-        except (OSError, TypeError, SyntaxError):
-            continue
-        if got == want:
+        if module is not None and all(callable(f) and _same_code(f, src) for f, src in zip(funcs, _LLAMA_ROPE)):
             found.append(module)
     return found
 

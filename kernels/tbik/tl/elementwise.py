@@ -38,6 +38,15 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, d, stride_x, stride_o, BLOCK: tl.conste
 
 
 @triton.jit
+def _rotated(x1, x2, cos_lo, cos_hi, sin_lo, sin_hi, dtype: tl.constexpr):
+    """The two halves of x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1), all in fp32
+    holding dtype values: each product rounded to dtype, then the sum (rounded by the caller)."""
+    lo = (x1 * cos_lo).to(dtype).to(tl.float32) + (-x2 * sin_lo).to(dtype).to(tl.float32)
+    hi = (x2 * cos_hi).to(dtype).to(tl.float32) + (x1 * sin_hi).to(dtype).to(tl.float32)
+    return lo, hi
+
+
+@triton.jit
 def _rope_kernel(pos_ptr, inv_freq_ptr, x_ptr, out_ptr, heads, stride_x, stride_o, HALF: tl.constexpr,
                  BLOCK: tl.constexpr):
     # One token, every head of one tensor (q or k): x [tokens, heads * 2 * HALF].
@@ -52,9 +61,7 @@ def _rope_kernel(pos_ptr, inv_freq_ptr, x_ptr, out_ptr, heads, stride_x, stride_
         base = h * 2 * HALF
         x1 = tl.load(x_ptr + row * stride_x + base + j, mask=mask, other=0.0).to(tl.float32)
         x2 = tl.load(x_ptr + row * stride_x + base + HALF + j, mask=mask, other=0.0).to(tl.float32)
-        # x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1): each product rounded, then the sum
-        lo = (x1 * cos).to(dtype).to(tl.float32) + (-x2 * sin).to(dtype).to(tl.float32)
-        hi = (x2 * cos).to(dtype).to(tl.float32) + (x1 * sin).to(dtype).to(tl.float32)
+        lo, hi = _rotated(x1, x2, cos, cos, sin, sin, dtype)
         tl.store(out_ptr + row * stride_o + base + j, lo.to(dtype), mask=mask)
         tl.store(out_ptr + row * stride_o + base + HALF + j, hi.to(dtype), mask=mask)
 
@@ -80,8 +87,7 @@ def _apply_rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, heads, seq, sx_b, sx_h,
     c2 = tl.load(c_row + HALF + j, mask=mask, other=0.0).to(tl.float32)
     s1 = tl.load(s_row + j, mask=mask, other=0.0).to(tl.float32)
     s2 = tl.load(s_row + HALF + j, mask=mask, other=0.0).to(tl.float32)
-    lo = (x1 * c1).to(dtype).to(tl.float32) + (-x2 * s1).to(dtype).to(tl.float32)
-    hi = (x2 * c2).to(dtype).to(tl.float32) + (x1 * s2).to(dtype).to(tl.float32)
+    lo, hi = _rotated(x1, x2, c1, c2, s1, s2, dtype)
     o_row = out_ptr + b * so_b + h * so_h + t * so_t
     tl.store(o_row + j, lo.to(dtype), mask=mask)
     tl.store(o_row + HALF + j, hi.to(dtype), mask=mask)
