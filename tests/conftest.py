@@ -59,3 +59,23 @@ def triton_interpreter():
     tbik.use_interpreter(True)
     yield
     tbik.use_interpreter(False)
+
+
+@pytest.fixture
+def interpreted_case():
+    """Run one case of a tests/interpreted/*_cases.py file in a process of its own with Triton's
+    CPU interpreter on from the start (TRITON_INTERPRET must be set before triton is imported);
+    returns the finished process."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+
+    def run(cases: Path, case: str) -> subprocess.CompletedProcess:
+        env = {**os.environ, "TRITON_INTERPRET": "1",
+               "PYTHONPATH": os.pathsep.join([str(root), str(root / "kernels"), os.environ.get("PYTHONPATH", "")])}
+        return subprocess.run([sys.executable, str(cases), case], env=env, capture_output=True, text=True, timeout=600)
+
+    return run

@@ -4,15 +4,11 @@ Runs in Triton's CPU interpreter, in a process of its own per case (see
 tests/interpreted/digest_kernel_cases.py for why); GPU runs use the same kernel.
 """
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 CASES = Path(__file__).parent / "interpreted" / "digest_kernel_cases.py"
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize("case", [
@@ -21,8 +17,6 @@ ROOT = Path(__file__).resolve().parents[1]
     "test_kernel_samples_are_the_bits_of_the_picked_features",
     "test_one_flipped_bit_changes_the_kernel_digest",
 ])
-def test_digest_kernel_under_the_interpreter(case):
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "kernels"), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, str(CASES), case], env=env, capture_output=True, text=True, timeout=600)
+def test_digest_kernel_under_the_interpreter(case, interpreted_case):
+    proc = interpreted_case(CASES, case)
     assert proc.returncode == 0, proc.stderr[-3000:]

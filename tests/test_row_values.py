@@ -2,9 +2,6 @@
 against an independent NumPy ordering, and the GPU kernels against the torch reference under
 Triton's CPU interpreter (tests/interpreted/row_values_cases.py), bit for bit."""
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +12,6 @@ from repaudit.engines.row_values import reference_topk, row_values
 from repaudit.record.digest import row_digest
 
 CASES = Path(__file__).parent / "interpreted" / "row_values_cases.py"
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _numpy_topk(lp: np.ndarray, k: int) -> np.ndarray:
@@ -89,10 +85,8 @@ def test_bad_requests_are_refused():
     "test_a_list_longer_than_the_kernels_is_refused",
     "test_digests_of_16_bit_and_strided_rows",
 ])
-def test_row_values_kernels_under_the_interpreter(case):
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "kernels"), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, str(CASES), case], env=env, capture_output=True, text=True, timeout=600)
+def test_row_values_kernels_under_the_interpreter(case, interpreted_case):
+    proc = interpreted_case(CASES, case)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
