@@ -60,13 +60,22 @@ SCRIPT = textwrap.dedent('''
 ''').replace("FIELDS", repr(FIELDS))
 
 
+_GLOO_ABORT = "terminate called without an active exception"
+
+
 def _launch(out: Path, nproc: int, device: str, dtype: str, modes: str, decodes: str, model: str) -> dict:
     script = out / "script.py"
     script.write_text(SCRIPT)
     path = builtin.ensure(model)
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-                           str(script), str(path), str(out), device, dtype, modes, decodes],
-                          capture_output=True, text=True, timeout=900)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           str(script), str(path), str(out), device, dtype, modes, decodes]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    if proc.returncode and _GLOO_ABORT in proc.stderr:
+        # A gloo rank process sometimes aborts in C++ (std::terminate, no Python error) on a loaded
+        # 2-core machine: about 1 launch in 10 to 60 under load here, not reproduced unloaded. It is
+        # torch's, not this test's subject, so the launch runs once more; the records are still
+        # compared bit for bit below.
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     with np.load(out / f"tp{nproc}.npz") as f:
         return dict(f)
