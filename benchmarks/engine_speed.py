@@ -8,7 +8,8 @@ side in one process: same loaded model, same kernel mode, same prompts, same bat
   the engine replays its steps from a CUDA graph, without torch.compile, whose fused kernels
   would compute other bits).
 
-Runs alternate (baseline, repaudit) per batch size, median of --runs. TP>1 runs under torchrun:
+Runs alternate (baseline, repaudit) per batch size: tokens/s are medians of --runs, the ratio the
+median of each back-to-back pair's ratio (`pair_ratios`). TP>1 runs under torchrun:
 
     python3 benchmarks/engine_speed.py --model builtin:qwen3-0.6b --json reports/perf/engine_speed.json
     torchrun --nproc-per-node 2 benchmarks/engine_speed.py --tp 2 --json reports/perf/engine_speed.json
@@ -193,7 +194,14 @@ def main() -> None:
                            "new_tokens": args.new if mode == "generate" else None,
                            "repaudit_tok_s": tok_s(m_runs), "baseline_tok_s": tok_s(b_runs) if base else None,
                            "decode": hfm.decode if mode == "generate" else None}
-                    row["ratio"] = row["repaudit_tok_s"] / row["baseline_tok_s"] if base else None
+                    if base:
+                        # Each pair ran back to back, so the machine's drift between pairs (clocks,
+                        # other tenants of the host) cancels in a pair's ratio: the row's ratio is
+                        # their median, not the ratio of the two medians.
+                        row["pair_ratios"] = [(mn / ms) / (bn / bs_) for (bs_, bn), (ms, mn) in zip(b_runs, m_runs)]
+                        row["ratio"] = statistics.median(row["pair_ratios"])
+                    else:
+                        row["ratio"] = None
                     if mode == "generate":  # where a generation's time goes (the last run): prefill, then the steps
                         t = last[0]
                         row["repaudit_prefill_s"], row["repaudit_decode_s"] = t.prefill_s, t.decode_s

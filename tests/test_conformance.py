@@ -16,7 +16,7 @@ the model's own forward on the same single sequence:
 
 Bitwise on CPU holds only where both sides run lm_head on the same shapes (a GEMM's row bits
 depend on M, the number of rows): the engine's head runs as the model's forward on one
-sequence does (hf._head, hf._sequence_rows), and test_head_runs_on_the_shapes_of_the_models_forward
+sequence does (repaudit/engines/hf_head.py), and test_head_runs_on_the_shapes_of_the_models_forward
 pins that with sequences of 2 and 3 tokens, where a 1- or 2-row product gives other bits.
 
 `hf.VERIFIED_FAMILIES` (what cfg_check accepts) must equal the families this file proves.

@@ -82,6 +82,7 @@ def test_bad_requests_are_refused():
 
 @pytest.mark.parametrize("case", [
     "test_kernel_values_are_the_reference_values",
+    "test_segments_below_the_rows_threshold_are_skipped_rightly",
     "test_a_list_longer_than_the_kernels_is_refused",
     "test_digests_of_16_bit_and_strided_rows",
 ])

@@ -8,14 +8,24 @@ import torch
 from . import backend, cpu
 
 
-def log_softmax(x: torch.Tensor, dim: int = -1, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """log_softmax along `dim`, batch-invariant; output dtype = `dtype` or x.dtype (fp32 for fp32)."""
+def log_softmax(x: torch.Tensor, dim: int = -1, dtype: torch.dtype | None = None, *,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """log_softmax along `dim`, batch-invariant; output dtype = `dtype` or x.dtype (fp32 for fp32).
+    `out`: a tensor of the result's shape and dtype to write it into (returned), as torch's out=;
+    a row's bits do not depend on where it is written."""
     if not x.is_floating_point():
         raise TypeError(f"log_softmax needs a floating-point tensor, got {x.dtype}")
+    if out is not None and (out.shape != x.shape or out.dtype != (dtype or x.dtype) or out.device != x.device):
+        raise ValueError(f"out= must be {tuple(x.shape)} {dtype or x.dtype} on {x.device}, "
+                         f"got {tuple(out.shape)} {out.dtype} on {out.device}")
     if x.dim() == 0:
-        return log_softmax(x.reshape(1), 0, dtype).reshape(())
-    if backend.on_cpu(x):
-        return cpu.log_softmax(x, dim, dtype)
-    from .tl import softmax
+        result = log_softmax(x.reshape(1), 0, dtype).reshape(())
+    elif backend.on_cpu(x):
+        result = cpu.log_softmax(x, dim, dtype)
+    else:
+        from .tl import softmax
 
-    return softmax.log_softmax(x, dim, dtype)
+        if out is not None and dim in (-1, x.dim() - 1) and x.dim() == 2 and out.stride(-1) == 1:
+            return softmax.log_softmax_rows(x, out)
+        result = softmax.log_softmax(x, dim, dtype)
+    return result if out is None else out.copy_(result)

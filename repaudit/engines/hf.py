@@ -1,6 +1,6 @@
 """The transformers engine: transformers' own tensor-parallel plan (DTensor), greedy decoding
 with a KV cache, teacher-forced scoring. Logits are produced chunk by chunk from the final
-hidden states so a long batch never holds [tokens x vocab] at once.
+hidden states (hf_head.py) so a long batch never holds [tokens x vocab] at once.
 
 Padding follows production use: generate pads on the left (as `generate()` requires for
 decoder-only models), score pads on the right (as trainers do). Only real positions are
@@ -9,7 +9,6 @@ recorded.
 
 from __future__ import annotations
 
-import functools
 import time
 import warnings
 from dataclasses import dataclass
@@ -20,12 +19,11 @@ import torch
 import torch.distributed as dist
 
 from ..errors import InputError
-from ..record.digest import to_uint64
 from . import hf_decode
 from .base import Sequence, Timing, TokenRows, canonical_topk
+from .hf_head import base_name, head_plan, host_values, score_values, step_head
 from .row_values import row_values
 
-LOGIT_ROWS_PER_CHUNK = 256
 DECODES = ("dynamic", "static", "graphs")  # KV cache and step of generate(): see hf_decode
 # How often (in steps) generate's host looks whether every row is done: each look waits for the
 # device; between looks the host queues steps ahead of it.
@@ -40,7 +38,8 @@ class HFModel:
     tp: int
     stop_ids: tuple[int, ...]  # a generation ends at the first of these (run.model.stop_ids)
     pad_id: int
-    log_softmax: Callable[[torch.Tensor], torch.Tensor]
+    # fp32 logits [n, V] -> their log-softmax, written into `out` where given (returned)
+    log_softmax: Callable[..., torch.Tensor]
     tracer: Any = None  # a repaudit.run.trace.Tracer while a traced cell runs
     # "dynamic": transformers' DynamicCache, eager steps; "static": StaticCache, eager steps;
     # "graphs": StaticCache, steps replayed from a CUDA graph (same bits as "static").
@@ -84,7 +83,7 @@ def load(path: str, *, dtype: str, device: str, tp: int, trust_remote_code: bool
         kwargs["attn_implementation"] = "eager"
     model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     model.eval()
-    base = _base_name(model)
+    base = base_name(model)
     if model.base_model is not model._modules[base]:
         # Llama4ForCausalLM names its base model `model` but declares base_model_prefix
         # "language_model", so model.base_model would be the CausalLM itself; point it at the
@@ -93,7 +92,11 @@ def load(path: str, *, dtype: str, device: str, tp: int, trust_remote_code: bool
     # Every TP size decodes the same way, so a TP=1 vs TP=2 diff measures TP, not the cache.
     decode = "graphs" if local.type == "cuda" and hf_decode.static_supported(model) else "dynamic"
     return HFModel(model=model, device=local, tp=tp, stop_ids=tuple(stop_ids), pad_id=pad_id,
-                   log_softmax=lambda x: torch.log_softmax(x, dim=-1), decode=decode)
+                   log_softmax=_torch_log_softmax, decode=decode)
+
+
+def _torch_log_softmax(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    return torch.log_softmax(x, dim=-1, out=out)
 
 
 # transformers model types (of the checkpoint's config, which AutoModelForCausalLM dispatches on)
@@ -133,143 +136,31 @@ def cfg_check(path: str, trust_remote_code: bool):
     return cfg
 
 
-def _base_name(model: torch.nn.Module) -> str:
-    """The attribute under which the CausalLM holds its base model (the module its forward calls
-    for the final hidden states): base_model_prefix where that names a child, else the one child
-    that is not the output embeddings."""
-    if model.base_model_prefix in model._modules:
-        return model.base_model_prefix
-    head = model.get_output_embeddings()
-    names = [name for name, child in model.named_children() if child is not head]
-    if len(names) != 1:
-        raise RuntimeError(f"{type(model).__name__}: cannot tell its base model among {names}")
-    return names[0]
-
-
-@functools.cache
-def _hidden_only() -> type:
-    """The base model's output as the CausalLM's forward reads it: the final hidden states, and
-    None for every other field it may ask for (router_logits, shared_kv_states, ...). Made on
-    first use, so importing this module does not import transformers."""
-    from transformers.modeling_outputs import BaseModelOutputWithPast
-
-    class HiddenOnly(BaseModelOutputWithPast):
-        def __getattr__(self, name: str) -> Any:
-            if name.startswith("_"):
-                raise AttributeError(name)
-            return None
-
-    return HiddenOnly
-
-
-class _GivenHidden(torch.nn.Module):
-    """Stands in for the base model inside the CausalLM's own forward and returns hidden states
-    already computed, so the forward runs only its head: lm_head and whatever the family does
-    around it (Granite's and MiniCPM3's logits_scaling, Gemma's final_logit_softcapping,
-    Cohere's logit_scale, ...)."""
-
-    def __init__(self, hidden: torch.Tensor):
-        super().__init__()
-        self.hidden = hidden
-        self.calls = 0
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        self.calls += 1
-        return _hidden_only()(last_hidden_state=self.hidden)
-
-
-def _head(hfm: HFModel, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Final hidden states ([n, H] rows or [B, T, H]) -> (fp32 logits, fp32 log-softmax), same
-    leading shape.
-
-    The logits are the model's own: its CausalLM forward runs on `hidden` with the base model
-    swapped for a stub that returns them (logits_to_keep=0: every row), so a family's own final
-    transform applies by construction (Granite's logits_scaling, Gemma's softcapping, Cohere's
-    logit_scale, MiniCPM3's and Inkling's scaling of the hidden states, Inkling's vocabulary
-    cut, ...) and a recorded logprob is log_softmax of `model(ids).logits.float()`. The base
-    model still runs once per batch in `_forward`, and the callers pass rows chunk by chunk, so
-    [tokens x vocab] never exists for a whole batch. The log-softmax is hfm.log_softmax (the
-    kernel modes replace it).
-
-    Shapes: a row's bits depend on how many rows go through lm_head's GEMM together (CPU and
-    GPU libraries pick kernels and blockings by M; on CPU a 1-row product differs from the same
-    row inside a 2-row one). So the head runs as the model's forward on ONE sequence does:
-    [n, H] as [1, n, H] (one GEMM of n rows), [B, T, H] one sequence at a time as [1, T, H].
-    The records then equal `model(ids)` on that sequence alone when the caller passes the
-    sequence's hidden states as they are ([1, T, H] with T its length, or the [T, H] rows,
-    the last position included: see _sequence_rows), and a sequence's logits do not depend on
-    what else is in the batch. A decode step's [B, H] (one row per sequence) runs as one GEMM
-    of B rows, as generate() does at batch B; [B, 1, H] would be B GEMVs that each read all of
-    lm_head, far slower on a GPU.
-    """
-    if hidden.dim() == 3 and hidden.shape[0] > 1:
-        parts = [_head(hfm, hidden[b : b + 1]) for b in range(hidden.shape[0])]
-        return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
-    model = hfm.model
-    prefix = _base_name(model)
-    x = hidden[None] if hidden.dim() == 2 else hidden
-    stub = _GivenHidden(x)
-    base = model._modules[prefix]
-    model._modules[prefix] = stub
-    try:
-        out = model(logits_to_keep=0, return_dict=True)
-    finally:
-        model._modules[prefix] = base
-    if stub.calls != 1:  # the forward did not take its hidden states from the base model: nothing proven
-        raise RuntimeError(f"{type(model).__name__}.forward called its base model {stub.calls} times, expected once")
-    logits = out.logits.float()
-    if logits.shape[:-1] != x.shape[:-1]:
-        raise RuntimeError(f"{type(model).__name__}.forward returned logits {tuple(logits.shape)} "
-                           f"for hidden states {tuple(x.shape)}")
-    if hidden.dim() == 2:
-        logits = logits[0]
-    return logits, hfm.log_softmax(logits)
-
-
-def _sequence_rows(hfm: HFModel, hidden: torch.Tensor, targets: torch.Tensor, topk: int) -> dict[str, torch.Tensor]:
-    """One sequence's final hidden states [n, H], every position of it (the last included), and
-    the n - 1 tokens its rows 0..n-2 predict -> the per-row values of those n - 1 rows.
-
-    The head runs on all n rows, the shape `model(ids)` gives lm_head for this sequence, so
-    the records are bitwise those logits (see _head; the one extra row costs 1/n of the head).
-    A sequence longer than LOGIT_ROWS_PER_CHUNK goes through in chunks of that many rows (the
-    memory bound wins there; only such sequences can differ from a one-GEMM forward). n >= 2."""
-    n = hidden.shape[0]
-    if n < 2:
-        raise ValueError(f"a sequence of {n} token(s) has no row to record")
-    parts = []
-    for i in range(0, n - 1, LOGIT_ROWS_PER_CHUNK):
-        j = min(i + LOGIT_ROWS_PER_CHUNK, n)
-        logits, lp = _head(hfm, hidden[i:j])
-        keep = min(j, n - 1) - i
-        parts.append(row_values(logits[:keep], lp[:keep], targets[i : i + keep], topk))
-    return _cat_rows(parts)
-
-
-def _cat_rows(parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
-
-
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
+def _record_fields(host: dict[str, np.ndarray], topk: int) -> dict[str, np.ndarray]:
+    """Row values on the host (leading dims any) -> the record's dtypes and top-k order, for all
+    rows at once."""
+    out = dict(host, top1=host["top1"].astype(np.int32))
+    lead = host["logprob"].shape
+    if topk:
+        ids, lps = canonical_topk(host["topk_ids"].reshape(-1, topk), host["topk_lp"].reshape(-1, topk))
+        out["topk_ids"], out["topk_lp"] = ids.astype(np.int32).reshape(*lead, topk), lps.reshape(*lead, topk)
+    else:
+        out["topk_ids"], out["topk_lp"] = np.zeros((*lead, 0), np.int32), np.zeros((*lead, 0), np.float32)
+    return out
+
+
 def _to_rows(prompt_id: str, prompt_len: int, pos: np.ndarray, tokens: np.ndarray,
-             vals: dict[str, np.ndarray], sel: np.ndarray, topk: int) -> TokenRows:
-    k_ids, k_lp = (canonical_topk(vals["topk_ids"][sel], vals["topk_lp"][sel]) if topk
-                   else (np.zeros((len(sel), 0), np.int32), np.zeros((len(sel), 0), np.float32)))
+             vals: dict[str, np.ndarray], sel) -> TokenRows:
     return TokenRows(
         prompt_id=prompt_id, prompt_len=prompt_len, pos=pos.astype(np.int32), token_id=tokens.astype(np.int32),
-        logprob=vals["logprob"][sel], top1=vals["top1"][sel].astype(np.int32),
-        topk_ids=k_ids.astype(np.int32), topk_logprobs=k_lp, digest=vals["digest"][sel],
+        logprob=vals["logprob"][sel], top1=vals["top1"][sel], topk_ids=vals["topk_ids"][sel],
+        topk_logprobs=vals["topk_lp"][sel], digest=vals["digest"][sel],
     )
-
-
-def _host(vals: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
-    host = {k: v.cpu().numpy() for k, v in vals.items() if k != "digest"}
-    host["digest"] = to_uint64(vals["digest"])
-    return host
 
 
 @torch.inference_mode()
@@ -285,21 +176,21 @@ def score(hfm: HFModel, batch: list[Sequence], topk: int) -> tuple[list[TokenRow
         mask[b, : len(s)] = 1
     ids, mask = ids.to(hfm.device), mask.to(hfm.device)
     positions = torch.arange(T, device=hfm.device).expand(len(seqs), T)
+    plan = head_plan(seqs, hfm.device)  # before the forward: its copy to the device then waits for nothing
 
     _sync(hfm.device)
     t0 = time.perf_counter()
     hidden = _forward(hfm, ids, mask, positions, mask.bool(), [s.prompt_id for s in batch])
     # Row (b, t) predicts the token at t + 1; the head sees each sequence as model(ids) does.
-    vals = _cat_rows([_sequence_rows(hfm, hidden[b, :n], ids[b, 1:n], topk) for b, n in enumerate(lens)])
-    _sync(hfm.device)
+    vals = score_values(hfm.model, hfm.log_softmax, hidden, plan, topk)  # on the host: the device is done
     timing = Timing(prefill_s=time.perf_counter() - t0, prefill_tokens=sum(lens))
 
-    host = _host(vals)
+    host = _record_fields(vals, topk)
     rows, offset = [], 0
     for s, seq, n in zip(batch, seqs, lens):
-        sel = np.arange(offset, offset + n - 1)
+        sel = slice(offset, offset + n - 1)
         offset += n - 1
-        rows.append(_to_rows(s.prompt_id, len(s.prompt), np.arange(1, n), np.asarray(seq[1:]), host, sel, topk))
+        rows.append(_to_rows(s.prompt_id, len(s.prompt), np.arange(1, n), np.asarray(seq[1:]), host, sel))
     return rows, timing
 
 
@@ -338,7 +229,7 @@ def generate(hfm: HFModel, batch: list[Sequence], topk: int) -> tuple[list[Token
     multi_rank = dist.is_initialized() and dist.get_world_size() > 1
 
     def choose(hidden_last: torch.Tensor) -> dict[str, torch.Tensor]:
-        logits, lp = _head(hfm, hidden_last)
+        logits, lp = step_head(hfm.model, hfm.log_softmax, hidden_last)
         nxt = logits.argmax(dim=-1)
         if multi_rank:
             # One rank decides, as serving engines do, so ranks whose logits differ cannot fork.
@@ -399,11 +290,11 @@ def generate(hfm: HFModel, batch: list[Sequence], topk: int) -> tuple[list[Token
     if graphed is not None and graphed.failed:
         warnings.warn(f"decode steps ran without a CUDA graph (same bits, slower): {graphed.failed}", stacklevel=2)
 
-    stacked = _host({k: torch.stack([s[k] for s in steps]) for k in steps[0]})  # [steps, B, ...]
+    stacked = _record_fields(host_values({k: torch.stack([s[k] for s in steps]) for k in steps[0]}), topk)  # [steps, B, ...]
     rows = []
     for b, s in enumerate(batch):
         n_gen = int(gen_len[b])
         per_b = {k: v[:n_gen, b] for k, v in stacked.items()}
         rows.append(_to_rows(s.prompt_id, plens[b], np.arange(plens[b], plens[b] + n_gen), per_b["chosen"],
-                             per_b, np.arange(n_gen), topk))
+                             per_b, slice(None)))
     return rows, timing

@@ -1,10 +1,16 @@
-"""row_values.py's values on a GPU, in two Triton kernels.
+"""row_values.py's values on a GPU, in four Triton kernels.
 
 1. One program per (row, segment of SEGMENT columns): the segment's digest partial sum and its
-   top-k candidates (k rounds of: largest order key, lowest column among its ties, struck out).
-   Segments, not rows, are the unit of work: a decode step has 1 to 32 rows of 150k columns,
-   too few programs for a GPU if each read a whole row.
-2. One program per row: the row's top-k among its segments' candidates (same rounds; columns
+   largest order key. Segments, not rows, are the unit of work: a decode step has 1 to 32 rows
+   of 150k columns, too few programs for a GPU if each read a whole row.
+2. One program per row: the row's threshold T, the K-th largest of its segments' largest keys
+   (counted with repeats). K segments each hold a key >= T, so the row's K-th largest key is
+   >= T, and a segment whose largest key is below T holds none of the row's top K.
+3. One program per (row, segment): a segment below T writes empty candidates without reading
+   its columns; the others (usually K or fewer of the row's 38) give their top-K candidates
+   (K rounds of: largest order key, lowest column among its ties, struck out). The rounds cost
+   as much as the digest's hashing; most segments skip them.
+4. One program per row: the row's top-k among its segments' candidates (same rounds; columns
    are global, so "lowest column" is the row's lowest id), the digest as the partials' sum
    (uint64, mod 2^64: the order of the additions changes no bit), the top-1 and the recorded
    token's logprob.
@@ -25,7 +31,8 @@ from ..record.digest_kernel import BASE, INT_VIEW, mix
 
 SEGMENT = 4096
 MAX_K = 32  # k rounds are unrolled; row_values takes a longer list from reference_topk
-_NONE = -(2**31)  # below every value's key: an empty candidate slot
+# In the kernels, -2**31 is below every value's key (an empty candidate slot, a dead column)
+# and 2**31 - 1 a column past every row.
 
 
 @triton.jit
@@ -38,7 +45,7 @@ def _order_key(bits):
 
 @triton.jit
 def _segment_kernel(lp_ptr, logit_ptr, lp_stride, logit_stride, n_cols, offset, base, mask,
-                    key_ptr, col_ptr, part_ptr, SEG: tl.constexpr, K: tl.constexpr):
+                    part_ptr, top_ptr, SEG: tl.constexpr):
     r = tl.program_id(0)
     s = tl.program_id(1)
     n_seg = tl.num_programs(1)
@@ -49,15 +56,45 @@ def _segment_kernel(lp_ptr, logit_ptr, lp_stride, logit_stride, n_cols, offset, 
     bits = (tl.load(logit_ptr + row * logit_stride + cols, mask=live, other=0).to(tl.int64) & mask).to(tl.uint64)
     acc = tl.where(live, mix(bits ^ mix((cols + offset).to(tl.uint64) + base)), 0)
     tl.store(part_ptr + r * n_seg + s, tl.sum(acc, axis=0).to(tl.int64, bitcast=True))
-
     keys = tl.where(live, _order_key(tl.load(lp_ptr + row * lp_stride + cols, mask=live, other=0)), -2147483648)
+    tl.store(top_ptr + r * n_seg + s, tl.max(keys, axis=0))
+
+
+@triton.jit
+def _threshold_kernel(top_ptr, n_seg, threshold_ptr, K: tl.constexpr, SEGS: tl.constexpr):
+    r = tl.program_id(0)
+    slot = tl.arange(0, SEGS)
+    tops = tl.load(top_ptr + r * n_seg + slot, mask=slot < n_seg, other=-2147483648)
+    threshold = -2147483648
+    for j in tl.static_range(K):  # the K-th largest, repeats counted: strike one slot a round
+        threshold = tl.max(tops, axis=0)
+        first = tl.min(tl.where(tops == threshold, slot, SEGS), axis=0)
+        tops = tl.where(slot == first, -2147483648, tops)
+    tl.store(threshold_ptr + r, threshold)
+
+
+@triton.jit
+def _candidate_kernel(lp_ptr, lp_stride, n_cols, top_ptr, threshold_ptr, key_ptr, col_ptr,
+                      SEG: tl.constexpr, K: tl.constexpr):
+    r = tl.program_id(0)
+    s = tl.program_id(1)
+    n_seg = tl.num_programs(1)
     out = (r * n_seg + s) * K
-    for j in tl.static_range(K):
-        top = tl.max(keys, axis=0)
-        col = tl.min(tl.where(keys == top, cols, 2147483647), axis=0)
-        tl.store(key_ptr + out + j, top)
-        tl.store(col_ptr + out + j, col)
-        keys = tl.where(cols == col, -2147483648, keys)
+    if tl.load(top_ptr + r * n_seg + s) < tl.load(threshold_ptr + r):
+        for i in tl.static_range(K):
+            tl.store(key_ptr + out + i, -2147483648)
+            tl.store(col_ptr + out + i, 2147483647)
+    else:
+        cols = s * SEG + tl.arange(0, SEG)
+        live = cols < n_cols
+        keys = tl.load(lp_ptr + r.to(tl.int64) * lp_stride + cols, mask=live, other=0)
+        keys = tl.where(live, _order_key(keys), -2147483648)
+        for i in tl.static_range(K):
+            top = tl.max(keys, axis=0)
+            col = tl.min(tl.where(keys == top, cols, 2147483647), axis=0)
+            tl.store(key_ptr + out + i, top)
+            tl.store(col_ptr + out + i, col)
+            keys = tl.where(cols == col, -2147483648, keys)
 
 
 @triton.jit
@@ -87,6 +124,8 @@ def _row_kernel(lp_ptr, lp_stride, target_ptr, key_ptr, col_ptr, part_ptr, n_seg
 
 
 _segments = CachedKernel(_segment_kernel)
+_thresholds = CachedKernel(_threshold_kernel)
+_candidates = CachedKernel(_candidate_kernel)
 _rows = CachedKernel(_row_kernel)
 
 
@@ -106,9 +145,14 @@ def row_values_gpu(logits: torch.Tensor, lp: torch.Tensor, targets: torch.Tensor
     keys = torch.empty((n, n_seg * k), dtype=torch.int32, device=dev)
     cols = torch.empty_like(keys)
     parts = torch.empty((n, n_seg), dtype=torch.int64, device=dev)
+    tops = torch.empty((n, n_seg), dtype=torch.int32, device=dev)
     lp_bits = lp.view(torch.int32)
     _segments((n, n_seg), (lp_bits, logits.view(view), lp.stride(0), logits.stride(0), vocab, 0, BASE, mask,
-                           keys, cols, parts), {"SEG": SEGMENT, "K": k, "num_warps": 8})
+                           parts, tops), {"SEG": SEGMENT, "num_warps": 8})
+    thresholds = torch.empty(n, dtype=torch.int32, device=dev)
+    _thresholds((n,), (tops, n_seg, thresholds), {"K": k, "SEGS": triton.next_power_of_2(n_seg), "num_warps": 1})
+    _candidates((n, n_seg), (lp_bits, lp.stride(0), vocab, tops, thresholds, keys, cols),
+                {"SEG": SEGMENT, "K": k, "num_warps": 8})
     out = {"logprob": torch.empty(n, dtype=torch.float32, device=dev),
            "top1": torch.empty(n, dtype=torch.int64, device=dev),
            "digest": torch.empty(n, dtype=torch.int64, device=dev)}

@@ -18,12 +18,12 @@ whose plan uses colwise/rowwise linear layers is covered; anything else is refus
 
 from __future__ import annotations
 
-import functools
 from contextlib import ExitStack, contextmanager
 from typing import Iterator
 
 import torch
 
+from ..engines.source import same_code
 from .experts import invariant_experts, is_experts, unsupported_reason
 from .plan import attention_refusal
 from .forwards import replaced_forwards
@@ -193,7 +193,7 @@ def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
 
 
 def _is_llama_rms_norm(module: torch.nn.Module) -> bool:
-    return _same_code(type(module).forward, _LLAMA_RMS_NORM)
+    return same_code(type(module).forward, _LLAMA_RMS_NORM)
 
 
 def _fused_norms(model: torch.nn.Module) -> list[tuple[torch.nn.Module, object]]:
@@ -229,25 +229,6 @@ def rotate_half(x):
 """)
 
 
-@functools.lru_cache(maxsize=None)
-def _same_code(func, canonical: str) -> bool:
-    """Whether a function's code (decorators, docstring, comments and layout aside: its AST) is
-    the canonical source's."""
-    import ast
-    import inspect
-    import textwrap
-
-    def body(source: str) -> str:
-        fn = ast.parse(source).body[0]
-        doc = fn.body and isinstance(fn.body[0], ast.Expr) and isinstance(fn.body[0].value, ast.Constant)
-        return ast.dump(ast.Module(body=fn.body[1:] if doc else fn.body, type_ignores=[])) + ast.dump(fn.args)
-
-    try:
-        return body(textwrap.dedent(inspect.getsource(inspect.unwrap(func)))) == body(canonical)
-    except (OSError, TypeError, SyntaxError):
-        return False
-
-
 def _rope_modules(model: torch.nn.Module) -> list:
     """The modeling modules of the model's layers whose rotary embedding is Llama's."""
     import sys
@@ -256,7 +237,7 @@ def _rope_modules(model: torch.nn.Module) -> list:
     for name in sorted({type(m).__module__ for m in model.modules()}):
         module = sys.modules.get(name)
         funcs = [getattr(module, f, None) for f in ("apply_rotary_pos_emb", "rotate_half")]
-        if module is not None and all(callable(f) and _same_code(f, src) for f, src in zip(funcs, _LLAMA_ROPE)):
+        if module is not None and all(callable(f) and same_code(f, src) for f, src in zip(funcs, _LLAMA_ROPE)):
             found.append(module)
     return found
 
@@ -329,6 +310,6 @@ def kernel_mode(hfm, mode: str) -> Iterator[None]:
             stack.enter_context(_row_parallel_tree(hfm.model, hfm.tp))
         stack.enter_context(invariant_experts(hfm.model, num_chunks=chunks, tp=hfm.tp, tree=mode == "tbik"))
         previous = hfm.log_softmax
-        hfm.log_softmax = lambda x: tbik.log_softmax(x, -1)
+        hfm.log_softmax = lambda x, out=None: tbik.log_softmax(x, -1, out=out)
         stack.callback(setattr, hfm, "log_softmax", previous)
         yield

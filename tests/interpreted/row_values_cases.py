@@ -49,6 +49,29 @@ def test_kernel_values_are_the_reference_values():
         _same(got, row_values(logits, lp, targets, topk))
 
 
+def test_segments_below_the_rows_threshold_are_skipped_rightly():
+    """The candidate kernel skips a segment whose largest key is under the K-th largest of the
+    segments' largest keys: top-k lists all in one segment, in a segment's last columns, across
+    segments whose maxima tie the threshold, and rows with fewer segments than k."""
+    kernel.SEGMENT = 1024
+    vocab = 5000
+    g = torch.Generator().manual_seed(9)
+    lp = -torch.rand(6, vocab, generator=g) * 10 - 5
+    lp[0, 2048:2055] = torch.arange(7.0) * -0.5  # row 0: the top 7 in segment 2
+    lp[1, 1017:1024] = torch.arange(7.0) * -0.5  # row 1: in segment 0's last columns
+    lp[2, ::1024] = -1.0  # row 2: every segment's maximum is -1.0, ties everywhere
+    lp[2, 3000] = -1.0
+    lp[3, 4999] = 0.0  # row 3: the maximum in the last, short segment
+    lp[4, [5, 1500, 2600, 4000]] = torch.tensor([-2.0, -2.0, -3.0, -2.0])  # row 4: ties between segments' maxima
+    lp[5, :] = float("-inf")  # row 5: every key equal
+    logits = lp + 1.0
+    targets = torch.arange(6)
+    for topk in (1, 3, 5, 7, 32):
+        _same(kernel.row_values_gpu(logits, lp, targets, topk), row_values(logits, lp, targets, topk))
+    small = lp[:, :1500]  # two segments, fewer than k
+    _same(kernel.row_values_gpu(small + 1.0, small, targets, 7), row_values(small + 1.0, small, targets, 7))
+
+
 def test_a_list_longer_than_the_kernels_is_refused():
     logits, lp = _rows(2, 100, 3)
     try:

@@ -43,14 +43,21 @@ def _log_softmax_kernel(x_ptr, out_ptr, n_cols, stride_x, stride_o, BLOCK: tl.co
 _launch = CachedKernel(_log_softmax_kernel)
 
 
-def log_softmax(x: torch.Tensor, dim: int, dtype: torch.dtype | None) -> torch.Tensor:
-    moved = x.movedim(dim, -1)
-    rows = moved.reshape(-1, moved.shape[-1])
+def log_softmax_rows(rows: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Each row of `rows` [n, V] (any row stride) into the same row of `out` [n, V] (unit column
+    stride, any row stride); returns out."""
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    out = torch.empty(rows.shape, dtype=dtype or x.dtype, device=x.device)
     if rows.numel():
         block = min(_MAX_BLOCK, triton.next_power_of_2(max(rows.shape[1], 16)))
         meta = dict(BLOCK=block, num_warps=8)
         _launch((rows.shape[0],), (rows, out, rows.shape[1], rows.stride(0), out.stride(0)), meta)
+    return out
+
+
+def log_softmax(x: torch.Tensor, dim: int, dtype: torch.dtype | None) -> torch.Tensor:
+    moved = x.movedim(dim, -1)
+    rows = moved.reshape(-1, moved.shape[-1])
+    out = torch.empty(rows.shape, dtype=dtype or x.dtype, device=x.device)
+    log_softmax_rows(rows, out)
     return out.view(moved.shape).movedim(-1, dim).contiguous()
