@@ -83,8 +83,15 @@ def gate(
 
 
 def _csv(text: str, flag: str, cast=str) -> tuple:
-    items = [x.strip() for x in text.split(",") if x.strip()]
+    if not text.strip():
+        return ()  # the empty list (--reference-per "": keep no dimension)
+    items = [x.strip() for x in text.split(",")]
+    # An empty item ("1,,2", a trailing comma) or Python's digit separators ("1_0") are typos,
+    # not values: refused rather than read as something else.
+    bad = any(not x for x in items) or (cast is not str and any("_" in x for x in items))
     try:
+        if bad:
+            raise ValueError
         return tuple(cast(x) for x in items)
     except ValueError:
         raise InputError(f"{flag} {text!r}: expected a comma-separated list of {cast.__name__} values") from None

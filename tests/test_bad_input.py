@@ -154,7 +154,7 @@ def test_custom_nccl_settings_must_be_nccl_variables(refuse, spec, message):
 
 
 @pytest.mark.parametrize("flag, value", [
-    ("--tp", ""), ("--batch-size", ","), ("--mode", ""), ("--kernels", " "), ("--engine", ""), ("--nccl", ""),
+    ("--tp", ""), ("--batch-size", ""), ("--mode", ""), ("--kernels", " "), ("--engine", ""), ("--nccl", ""),
 ])
 def test_empty_matrix(refuse, flag, value):
     assert refuse(flag, value) == f"{flag} is empty: the matrix has no cells"
@@ -162,6 +162,8 @@ def test_empty_matrix(refuse, flag, value):
 
 def test_non_numeric_matrix_values(refuse):
     assert refuse("--tp", "1,two") == "--tp '1,two': expected a comma-separated list of int values"
+    assert refuse("--batch-size", ",") == "--batch-size ',': expected a comma-separated list of int values"
+    assert refuse("--mode", "score,") == "--mode 'score,': expected a comma-separated list of str values"
 
 
 def test_baseline_not_in_the_matrix(refuse):

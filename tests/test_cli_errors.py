@@ -101,3 +101,18 @@ def test_locate_on_run_directories_says_what_to_give(tmp_path, capsys):
     assert err == [f"repaudit: error: {run} is a directory; locate compares two cells: give each one's record, "
                    "RUN/cells/CELL.parquet (traced cells there: hf-tp1-bs1-default-stock-score, "
                    "hf-tp2-bs1-default-stock-score)"]
+
+
+@pytest.mark.parametrize("args", [("--clip", "0.5,,2.0"), ("--clip", ",0.5,2.0,"), ("--clip", "1_0,2_0")])
+def test_a_malformed_list_is_bad_input_not_another_value(pair, capsys, args):
+    """An empty item or a digit separator was read as the list without it ("0.5,,2.0" as 0.5,2.0)
+    or as another number ("1_0" as 10)."""
+    rc, err = main(capsys, "diff", *pair, *args)
+    assert rc == EXIT_INPUT == 2
+    assert len(err) == 1 and args[1] in err[0]
+
+
+def test_run_refuses_a_trailing_comma_in_a_list(tmp_path, capsys):
+    rc, err = main(capsys, "run", "--model", "builtin:tiny-qwen3", "--tp", "1,2,", "--out", tmp_path / "run")
+    assert rc == EXIT_INPUT and len(err) == 1 and "--tp" in err[0]
+    assert not (tmp_path / "run").exists()

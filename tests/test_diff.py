@@ -628,3 +628,19 @@ def test_a_record_without_a_phase_list_is_read_with_its_phase_column(tmp_path):
     for path in (path_a, old):
         by = {p.prompt_id: p for p in diff_records(path, b.write(tmp_path / "b.parquet")).prompts}
         assert by["late"].first_token_divergence is None and by["dropped"].first_token_divergence == 0
+
+
+def test_first_divergences_are_listed_by_where_the_prompt_first_diverges():
+    """A fork at position 1 comes before logprob bits moving at 5 (the run summary's order): the
+    table sorted by the logprob position alone put forks last, past its ten rows."""
+    from types import SimpleNamespace
+
+    from repaudit.compare.render import divergent_prompts
+    from repaudit.compare.result import PromptDiff
+
+    prompts = [PromptDiff("late", True, True, first_logprob_divergence=5),
+               PromptDiff("fork", True, True, first_token_divergence=1),
+               PromptDiff("same", True, True),
+               PromptDiff("both", True, True, first_token_divergence=7, first_logprob_divergence=3)]
+    rows = divergent_prompts(SimpleNamespace(shared_prompts=prompts))
+    assert [r["prompt"] for r in rows] == ["fork", "both", "late"]

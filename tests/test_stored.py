@@ -73,7 +73,7 @@ def test_an_unreadable_store_is_made_again_and_a_read_only_run_still_gates(tmp_p
     run = make_run(tmp_path)
     (run / FILE).write_text("{not json")
     assert gate_mod.gate_run(gate_mod.load_run(run), Thresholds()).passed
-    assert json.loads((run / FILE).read_text())["version"] == 1
+    assert json.loads((run / FILE).read_text())["version"] == stored.VERSION
     (run / FILE).unlink()
 
     def read_only(path, text):
@@ -82,3 +82,23 @@ def test_an_unreadable_store_is_made_again_and_a_read_only_run_still_gates(tmp_p
     monkeypatch.setattr(stored, "write_text_atomic", read_only)
     assert gate_mod.gate_run(gate_mod.load_run(run), Thresholds()).passed
     assert not (run / FILE).exists()
+
+
+def test_diffs_stored_under_earlier_rules_are_made_again(tmp_path, monkeypatch):
+    """A comparison.json from a repaudit whose diff counted differently (version 1: completion rows
+    missing from one record were not a divergence) is not read back: the records are the same
+    files, but its numbers are not today's."""
+    from repaudit.compare import stored
+
+    run = make_run(tmp_path, {_cell(0): {"bits": {("p0", 2): 7}}})
+    gate_mod.gate_run(gate_mod.load_run(run), Thresholds())
+    data = json.loads((run / FILE).read_text())
+    assert data["version"] == stored.VERSION >= 2
+    data["version"] = 1
+    (run / FILE).write_text(json.dumps(data))
+    made = []
+    real = gate_mod.diff_records
+    monkeypatch.setattr(gate_mod, "diff_records", lambda a, b, **kw: made.append(b.name) or real(a, b, **kw))
+    gate_mod.gate_run(gate_mod.load_run(run), Thresholds())
+    assert len(made) == len(CELLS) - 1  # every pair diffed again
+    assert json.loads((run / FILE).read_text())["version"] == stored.VERSION

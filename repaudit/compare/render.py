@@ -90,9 +90,10 @@ def rl_rows(r: DiffResult) -> list[tuple[str, str]]:
 
 def divergent_prompts(r: DiffResult, limit: int | None = 10) -> list[dict[str, Any]]:
     out = []
-    for p in r.shared_prompts:
-        if p.bitwise_match:
-            continue
+    # Earliest first by where the prompt first diverges, its tokens forking or its logprob bits
+    # moving (PromptDiff.first_divergence, the run summary's order); then by prompt id.
+    for p in sorted((p for p in r.shared_prompts if not p.bitwise_match),
+                    key=lambda p: (1 << 62 if p.first_divergence is None else p.first_divergence, p.prompt_id)):
         out.append({
             "prompt": p.prompt_id,
             "first token divergence": "—" if p.first_token_divergence is None else p.first_token_divergence,
@@ -100,7 +101,6 @@ def divergent_prompts(r: DiffResult, limit: int | None = 10) -> list[dict[str, A
             "bitwise-equal": f"{p.bitwise_equal}/{p.comparable}",
             "max ULP": p.max_ulp,
         })
-    out.sort(key=lambda d: (d["first logprob divergence"] if d["first logprob divergence"] != "—" else 1 << 62))
     return out if limit is None else out[:limit]
 
 

@@ -21,7 +21,9 @@ from .diff import verdict
 from .result import DiffResult, PromptDiff, RLMetrics, Thresholds
 
 FILE = "comparison.json"
-VERSION = 1
+# The diff's rules, not only its inputs, decide the numbers: a stored diff made under other rules
+# (version 1: before completion rows missing from one record counted as divergence) is made again.
+VERSION = 2
 
 
 def _encode(value: Any) -> Any:
