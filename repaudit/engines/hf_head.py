@@ -4,7 +4,8 @@ log-softmax and the values a record keeps of each row, and those values on the h
 A row's bits depend on how many rows go through lm_head's GEMM together (CPU and GPU libraries
 pick kernels and blockings by M; on CPU a 1-row product differs from the same row inside a
 2-row one). So the head runs as the model's forward on ONE sequence does: a sequence's rows as
-one [1, n, H] GEMM, a decode step's B rows as one GEMM of B rows as generate() does at batch B.
+one [1, n, H] GEMM (a sequence longer than LOGIT_ROWS_PER_CHUNK in chunks of that many rows:
+see head_plan), a decode step's B rows as one GEMM of B rows as generate() does at batch B.
 The records then equal `model(ids)` on that sequence alone, and a sequence's logits do not
 depend on what else is in the batch.
 """
@@ -183,11 +184,13 @@ class HeadPlan:
 
 
 def head_plan(seqs: list[list[int]], device: torch.device) -> HeadPlan:
-    """The head chunks of right-padded sequences: sequence b's rows 0 .. n_b - 1 go through the
-    head (the last one included: the shape `model(ids)` gives lm_head for this sequence), rows
-    0 .. n_b - 2 are recorded. A sequence longer than LOGIT_ROWS_PER_CHUNK goes in chunks of
-    that many rows (the memory bound wins there; only such sequences can differ from a one-GEMM
-    forward)."""
+    """The head chunks of right-padded sequences. Rows 0 .. n_b - 2 of sequence b are recorded
+    (row t predicts token t + 1). A sequence of at most LOGIT_ROWS_PER_CHUNK + 1 tokens runs as
+    one chunk of all n rows, the last one included: the shape `model(ids)` gives lm_head for
+    this sequence, so the records are bitwise those logits (the extra row costs 1/n of the
+    head). A longer one goes in chunks of LOGIT_ROWS_PER_CHUNK rows, the last chunk taking row
+    n - 1 too where it has room (the memory bound wins there; only such sequences can differ
+    from a one-GEMM forward)."""
     chunks, starts, recorded = [], [], []
     at = 0
     for b, seq in enumerate(seqs):
@@ -231,6 +234,7 @@ def score_values(model: torch.nn.Module, log_softmax: Callable[..., torch.Tensor
         if logits_buf is None or end - first > len(logits_buf):
             if logits_buf is not None:
                 flush(start)
+                logits_buf = lp_buf = None  # their memory can serve the next group's buffers
             first = start
             vocab = raw.shape[-1]
             size = min(total - start, max(end - start, GROUP_BYTES // (4 * vocab) // ROW_ALIGN * ROW_ALIGN))
@@ -255,7 +259,8 @@ def host_values(vals: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
 def host_values_of(parts: list[dict[str, torch.Tensor]]) -> list[dict[str, np.ndarray]]:
     """Several dicts of row values -> numpy, in one copy from the device: their bytes packed
     into one tensor (each copy from a GPU is a wait of its own)."""
-    # Widest first, so every field's view is aligned to its own width.
+    # Widest first within each dict, so the first dict's views are aligned to their width; a later
+    # one's may not be (numpy reads them all the same, and the caller's concatenate copies them).
     fields = [(g, k, v.contiguous()) for g, p in enumerate(parts)
               for k, v in sorted(p.items(), key=lambda kv: -kv[1].element_size())]
     flat = [v.reshape(-1) for _, _, v in fields]
