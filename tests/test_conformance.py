@@ -197,8 +197,8 @@ def _reference_cached(model, prompt: list[int], new: list[int], static: bool = F
     inputs the engine gives its base model (mask, positions, a KV cache the model makes itself),
     step by step with logits_to_keep=1, as generate() does. The prefill runs with the cache:
     some families' base models give other bits with a cache than without (Inkling).
-    static: transformers' StaticCache of prompt + new slots, the mask over all of them (what
-    generate(cache_implementation="static") gives the model)."""
+    static: transformers' StaticCache of prompt + new - 1 slots (generate's max_length - 1), the
+    mask over all of them (what generate(cache_implementation="static") gives the model)."""
     from transformers import StaticCache
 
     def step(ids, mask, positions, cache, keep):
@@ -206,7 +206,7 @@ def _reference_cached(model, prompt: list[int], new: list[int], static: bool = F
                      use_cache=True, logits_to_keep=keep)
 
     ids = torch.tensor([prompt])
-    slots = len(prompt) + len(new)
+    slots = len(prompt) + len(new) - 1
     mask = torch.zeros((1, slots), dtype=torch.long) if static else torch.ones_like(ids)
     mask[:, : len(prompt)] = 1
     positions = torch.arange(len(prompt))[None]

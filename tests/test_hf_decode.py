@@ -72,6 +72,33 @@ def test_stock_static_cache_moves_bits_that_tbik_keeps(tiny):
     assert not all(_bits_equal(d, s) for d, s in zip(dynamic, static))
 
 
+def test_stock_static_records_are_generate_with_a_static_cache_bit_for_bit(tiny):
+    """What docs/engine.md promises: a stock static-cache record is
+    model.generate(cache_implementation="static")'s, whose cache has max_length - 1 slots. SDPA
+    sums over every slot, so a cache one slot longer (the engine's before) moved bits."""
+    from transformers import GenerationConfig
+
+    new = 6
+    batch = [Sequence(s.prompt_id, s.prompt, None, new) for s in _batch(seed=4)]
+    rows = _generate(tiny, "static", batch, "stock")
+    T = max(len(s.prompt) for s in batch)
+    ids = torch.zeros((len(batch), T), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, s in enumerate(batch):
+        ids[b, T - len(s.prompt):] = torch.tensor(s.prompt)
+        mask[b, T - len(s.prompt):] = 1
+    config = GenerationConfig(max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0,
+                              eos_token_id=None, cache_implementation="static")
+    with torch.inference_mode():
+        out = tiny.model.generate(input_ids=ids, attention_mask=mask, generation_config=config,
+                                  output_logits=True, return_dict_in_generate=True)
+    for b, r in enumerate(rows):
+        logits = torch.stack([step[b] for step in out.logits]).float()
+        want = torch.log_softmax(logits, -1)[torch.arange(new), out.sequences[b, T:]]
+        assert np.array_equal(r.token_id, out.sequences[b, T:].numpy())
+        assert np.array_equal(r.logprob.view(np.uint32), want.numpy().view(np.uint32)), r.prompt_id
+
+
 def test_stock_static_decode_reads_repeated_keys_kept_with_the_cache_bit_for_bit(monkeypatch):
     """Stock SDPA over a static cache gets each layer's keys and values repeated to the query
     heads from a copy kept with the cache (hf_decode.grouped_key_mirrors) instead of a fresh

@@ -215,8 +215,10 @@ def generate(hfm: HFModel, batch: list[Sequence], topk: int) -> tuple[list[Token
     if decode not in DECODES:
         raise ValueError(f"unknown decode {decode!r}: one of {', '.join(DECODES)}")
     max_new = max(s.max_new_tokens for s in batch)
-    # A static cache's mask spans every slot from the start; the steps fill it in.
-    width = T + max_new if decode != "dynamic" else T
+    # A static cache's mask spans every slot from the start; the steps fill it in. Its slots are
+    # generate()'s (max_length - 1: the last new token is never fed back), since SDPA sums over
+    # every slot, masked ones too, and a stock record is generate(cache_implementation="static")'s.
+    width = T + max_new - 1 if decode != "dynamic" else T
     ids = torch.full((B, T), hfm.pad_id, dtype=torch.long)
     mask = torch.zeros((B, width), dtype=torch.long)
     for b, s in enumerate(batch):

@@ -3,7 +3,8 @@
 Why: an eager decode step of a transformers model is hundreds of small kernel launches issued
 from Python, and at decode sizes the GPU spends most of the step waiting for them. A CUDA graph
 replays the same kernels with one launch; it needs fixed shapes and addresses, hence
-transformers' StaticCache (prompt + new tokens slots) and the step's inputs in fixed buffers.
+transformers' StaticCache (prompt + new - 1 slots, generate()'s max_length - 1) and the step's
+inputs in fixed buffers.
 
 Bits:
 - A replay runs the kernels the eager step launches, on the same buffers: graphed and eager

@@ -16,7 +16,9 @@ SCHEMA = pa.schema(
         pa.field("phase", pa.dictionary(pa.int8(), pa.string()), nullable=False),
         pa.field("token_id", pa.int32(), nullable=False),
         pa.field("logprob", pa.float32(), nullable=False),
-        # The most likely token at pos (the argmax of the same logits row), -1 when not recorded.
+        # The most likely token at pos: the lowest id holding the row's largest logprob (two logits
+        # can round to one logprob, so a greedy token_id, the logits' argmax, may be a higher
+        # id), -1 when not recorded.
         # Redundant with topk_ids[0] when k > 0, but a flat column reads ~4x faster than a list
         # column and keeps top-1 agreement available when top-k is off (k = 0).
         pa.field("top1_id", pa.int32(), nullable=False),
