@@ -32,6 +32,20 @@ def test_groups_share_a_job_and_baseline_group_runs_first():
     assert ref.id == "hf-tp2-bs1-tree-tbik-score"
 
 
+def test_every_reference_is_a_cell_of_the_plan_when_nccl_is_kept():
+    """TP=1 runs only the first NCCL preset: with --reference-per naming nccl, a TP=2 `tree`
+    cell's reference at TP=1 was the `tree` TP=1 cell, which the plan never makes, and the gate
+    failed the run on a cell 'missing from the manifest'."""
+    plan = expand(Matrix(model="m", tps=(1, 2), batch_sizes=(1,), device="cuda",
+                         nccl={"default": {}, "tree": nccl.PRESETS["tree"]}, kernels=("stock",),
+                         reference_per=("kernels", "mode", "nccl")))
+    assert plan.baseline.tp == 1
+    for cell in plan.cells:
+        assert plan.reference_for(cell) in plan.cells, cell.id
+    assert plan.reference_for(plan.cell("hf-tp2-bs1-tree-stock-score")).id == "hf-tp1-bs1-default-stock-score"
+    assert plan.reference_for(plan.cell("hf-tp2-bs1-default-stock-score")).id == "hf-tp1-bs1-default-stock-score"
+
+
 def test_cell_ids_are_stable():
     plan = expand(Matrix(model="m", tps=(1,), batch_sizes=(1,)))
     assert [c.id for c in plan.cells] == ["hf-tp1-bs1-default-stock-generate", "hf-tp1-bs1-default-stock-score"]

@@ -306,3 +306,19 @@ def test_the_report_shows_each_kernel_modes_speed_against_stocks():
     (tile,) = price_tiles(SimpleNamespace(cells=cells, gate=SimpleNamespace(pairs=pairs)))
     assert (tile.label, tile.value, tile.tone) == ("tbik: speed vs stock", "0.35x", "pass")
     assert tile.detail == "tokens/s over 2 cells · keeps 1/1 identical"
+
+
+def test_the_lowest_bitwise_equal_tile_skips_a_pair_with_no_comparable_row():
+    """A pair whose every prompt forks at its first token has no rate (0/0): taken as the lowest,
+    it showed n/a in green while another pair sat at 12/15."""
+    from types import SimpleNamespace
+
+    from repaudit.report.headline import tiles
+
+    def pair(label, equal, comparable):
+        result = SimpleNamespace(bitwise_equal=equal, comparable=comparable, ulp_max=1, prob_max=0.0, shared_prompts=[])
+        return SimpleNamespace(label=label, outcome="fail", result=result, divergences=[])
+
+    data = SimpleNamespace(kind="diff", pairs=[pair("forked", 0, 0), pair("tp1 bs4", 12, 15), pair("tp2", 15, 15)])
+    (tile,) = [t for t in tiles(data) if t.label == "lowest bitwise-equal"]
+    assert tile.value == "80.00%" and "12/15" in tile.detail and "tp1 bs4" in tile.detail and tile.tone == "fail"

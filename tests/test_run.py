@@ -402,3 +402,23 @@ def test_a_fork_with_equal_bits_before_it_is_a_divergence_in_the_summary(matrix_
     assert row["first_divergence_min"] == pos and row["prompts_diverged"] == 1 and row["prompts"] == 4
     line = next(x for x in summary_markdown(summary).splitlines() if x.startswith("| hf-tp1-bs4-default-stock-generate"))
     assert f"pos {pos} (1/4 prompts)" in line
+
+
+def test_summary_markdown_table_is_one_table_and_prints_inf_as_inf():
+    """The header cell `max |Δ lp|` split the Markdown header into 11 cells over a 9-cell
+    delimiter row, so no renderer showed a table; an infinite abs_max (json "inf") printed 'inf'."""
+    import re
+
+    from repaudit.compare.summary import HEADER, summary_markdown
+
+    cell = {"cell": "c", "reference": "r", "status": "done", "tokens_per_s": 10.0, "compared": 4, "bitwise_equal": 3,
+            "ulp_max": 7, "abs_max": "inf", "first_divergence_min": 2, "prompts_diverged": 1, "prompts": 2,
+            "seq_token_matches": 2}
+    ref = {"cell": "r", "reference": "r", "status": "done", "tokens_per_s": 11.0}
+    md = summary_markdown({"baseline": "r", "reference_per": ["kernels"], "cells": [ref, cell], "identical_cells": 0,
+                           "compared_cells": 1, "price": []})
+    lines = md.splitlines()
+    at = next(i for i, x in enumerate(lines) if x.startswith("| cell"))
+    cells = lambda line: len(re.split(r"(?<!\\)\|", line)) - 2  # noqa: E731 - unescaped pipes
+    assert cells(lines[at]) == cells(lines[at + 1]) == cells(lines[at + 3]) == len(HEADER)
+    assert "| inf |" in lines[at + 3] and "'inf'" not in md

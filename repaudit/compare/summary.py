@@ -167,7 +167,7 @@ def table_rows(summary: dict[str, Any]) -> list[list[str]]:
             r["cell"], "(reference)" if is_ref else r["reference"], r["status"] or "—",
             "—" if is_ref else _bitwise(r),
             "—" if is_ref or "ulp_max" not in r else str(r["ulp_max"]),
-            "—" if is_ref or "abs_max" not in r else repr(r["abs_max"]),
+            "—" if is_ref or "abs_max" not in r else str(r["abs_max"]),  # a float's shortest text, or "inf"/"nan"
             "—" if is_ref or first is None else f"pos {first} ({r['prompts_diverged']}/{r['prompts']} prompts)",
             "—" if is_ref else _seq(r),
             _fmt_rate(r["tokens_per_s"]),
@@ -218,7 +218,7 @@ def print_summary(summary: dict[str, Any], console: Console) -> None:
 def summary_markdown(summary: dict[str, Any]) -> str:
     lines = ["# repaudit run summary", "", f"Baseline `{summary['baseline']}`; each cell is compared with the baseline "
              f"settings taken with its own {', '.join(summary['reference_per'])}.", "",
-             "| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
+             "| " + " | ".join(h.replace("|", "\\|") for h in HEADER) + " |", "|" + "---|" * len(HEADER)]
     lines += ["| " + " | ".join(row) + " |" for row in table_rows(summary)]
     lines += ["", f"{summary['identical_cells']}/{summary['compared_cells']} cells bitwise identical to their reference.", ""]
     refused = [r for r in summary["cells"] if r["status"] == "refused"]

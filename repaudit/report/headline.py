@@ -66,7 +66,10 @@ def tiles(data: ReportData) -> list[Tile]:
                         "pass" if ident == len(data.pairs) else "fail"))
         out += price_tiles(data)
     if results:
-        label, _, r = min(results, key=lambda x: (Fraction(x[2].bitwise_equal, max(1, x[2].comparable)), x[0]))
+        # A pair with no comparable row (every prompt forks at its first token) has no rate: it
+        # is not taken for the lowest one (the fork shows in the earliest-divergence tile).
+        label, _, r = min(results, key=lambda x: (x[2].comparable == 0,
+                                                  Fraction(x[2].bitwise_equal, max(1, x[2].comparable)), x[0]))
         out.append(Tile("lowest bitwise-equal", pct(r.bitwise_equal, r.comparable),
                         f"{r.bitwise_equal}/{r.comparable} logprobs · {label}", "pass" if r.bitwise_equal == r.comparable else "fail"))
         label, _, r = max(results, key=lambda x: x[2].ulp_max)

@@ -135,7 +135,12 @@ class Plan:
         `reference_per` taken from the cell itself (by default its kernels and mode)."""
         if cell.scenario != COLD:
             return replace(cell, scenario=COLD)
-        return replace(self.baseline, **{d: getattr(cell, d) for d in self.matrix.reference_per})
+        ref = replace(self.baseline, **{d: getattr(cell, d) for d in self.matrix.reference_per})
+        if ref.nccl != self.baseline.nccl and ref not in self.cells:
+            # TP=1 runs one NCCL preset (it runs no collective): a TP=2 `tree` cell's reference at
+            # TP=1, with --reference-per naming nccl, is that one cell.
+            ref = replace(ref, nccl=self.baseline.nccl)
+        return ref
 
 
 def _parse_baseline(text: str, cells: tuple[Cell, ...]) -> Cell:
