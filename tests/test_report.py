@@ -322,3 +322,17 @@ def test_the_lowest_bitwise_equal_tile_skips_a_pair_with_no_comparable_row():
     data = SimpleNamespace(kind="diff", pairs=[pair("forked", 0, 0), pair("tp1 bs4", 12, 15), pair("tp2", 15, 15)])
     (tile,) = [t for t in tiles(data) if t.label == "lowest bitwise-equal"]
     assert tile.value == "80.00%" and "12/15" in tile.detail and "tp1 bs4" in tile.detail and tile.tone == "fail"
+
+
+@pytest.mark.parametrize("cell, want", [
+    ("vllm-tp1-bs8-default-stock-prefix-hit-generate", ("default", "stock", "prefix-hit", "generate")),
+    ("vllm-tp2-bs32-my-preset-bi-chunked-prefill256-score", ("my-preset", "bi", "chunked-prefill256", "score")),
+    ("hf-tp2-bs1-tree-tbik-score", ("tree", "tbik", None, "score")),
+])
+def test_the_verdict_grid_reads_scenario_cells(cell, want):
+    """A scenario suffix was read into the NCCL preset and the kernel mode ("default-stock-prefix",
+    "hit"), which put the cell in a row and column of its own under wrong labels."""
+    from repaudit.report.html import _CELL_ID
+
+    parts = _CELL_ID.match(cell).groupdict()
+    assert (parts["nccl"], parts["kernels"], parts["scenario"], parts["mode"]) == want

@@ -84,6 +84,7 @@ def test_same_cell_twice_gives_identical_records(tmp_path: Path):
 def test_resume_recomputes_only_missing_cells(matrix_run: Path):
     missing = cell_path(matrix_run, "hf-tp2-bs4-default-stock-score")
     before = {p.name: (p.stat().st_mtime_ns, _sha(p)) for p in (matrix_run / "cells").glob("*.parquet")}
+    first_wall = json.loads((matrix_run / "manifest.json").read_text())["wall_s"]
     missing.unlink()
     assert _run(matrix_run, tps=(1, 2), batch_sizes=(1, 4)) == 0
     after = {p.name: (p.stat().st_mtime_ns, _sha(p)) for p in (matrix_run / "cells").glob("*.parquet")}
@@ -95,6 +96,9 @@ def test_resume_recomputes_only_missing_cells(matrix_run: Path):
             assert after[name] == (mtime, sha)  # never rewritten
     manifest = json.loads((matrix_run / "manifest.json").read_text())
     assert len(manifest["runs"]) == 2
+    # The matrix's wall time covers both invocations: the cells kept from the first one ran then.
+    walls = [r["wall_s"] for r in manifest["runs"]]
+    assert walls[0] == first_wall and manifest["wall_s"] == walls[0] + walls[1]
 
 
 def _cli(*args: str, env: dict | None = None) -> subprocess.Popen:

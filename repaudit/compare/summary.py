@@ -23,7 +23,8 @@ def tokens_per_s(timing: dict[str, Any] | None, mode: str) -> float | None:
     """A cell's engine tokens/s. generate: every generated token over the time of prefill and
     decoding (how vLLM counts throughput; an engine that splits the two, as the transformers
     engine does, and one that interleaves them, as vLLM does, give the same measure); score:
-    the scored tokens over the prefill. None where nothing was generated or timed."""
+    every token through the forward (prompt and completion, the first one included, which has
+    no row: n tokens give n - 1 rows) over the prefill. None where nothing was generated or timed."""
     if not timing:
         return None
     return timing.get("generated_tokens_per_s") if mode == "generate" else timing.get("prefill_tokens_per_s")

@@ -107,7 +107,10 @@ def _td(x: Any, cls: str = "", raw: bool = False, title: str = "") -> str:
 # ------------------------------------------------------------------------------ sections
 
 
-_CELL_ID = re.compile(r"^(?P<engine>[^-]+)-tp(?P<tp>\d+)-bs(?P<bs>\d+)-(?P<nccl>.+)-(?P<kernels>[^-]+)-(?P<mode>[^-]+)$")
+# A cell id (plan.Cell.id): engine-tpN-bsN-nccl-kernels[-scenario]-mode. The kernel modes and the
+# modes are named, so a scenario suffix ("-prefix-hit") is not read as part of the NCCL preset.
+_CELL_ID = re.compile(r"^(?P<engine>[^-]+)-tp(?P<tp>\d+)-bs(?P<bs>\d+)-(?P<nccl>.+?)-(?P<kernels>stock|bi|tbik)"
+                      r"(?:-(?P<scenario>.+?))?-(?P<mode>generate|score)$")
 
 
 def _grid(data: ReportData) -> str:
@@ -118,7 +121,8 @@ def _grid(data: ReportData) -> str:
         return ""
     parts = {p.cell: _CELL_ID.match(p.cell).groupdict() for p in cases}
     many_engines = len({v["engine"] for v in parts.values()}) > 1
-    row_key = lambda v: ((v["engine"],) if many_engines else ()) + (v["kernels"], v["mode"])  # noqa: E731
+    row_key = lambda v: (((v["engine"],) if many_engines else ()) + (v["kernels"],)  # noqa: E731
+                         + ((v["scenario"],) if v["scenario"] else ()) + (v["mode"],))
     col_key = lambda v: (int(v["tp"]), int(v["bs"]), v["nccl"])  # noqa: E731
     ref_at = {(row_key(m.groupdict()), col_key(m.groupdict())) for m in map(_CELL_ID.match, {p.reference for p in cases}) if m}
     rows = list(dict.fromkeys([row_key(v) for v in parts.values()] + [r for r, _ in sorted(ref_at)]))

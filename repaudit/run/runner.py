@@ -242,7 +242,11 @@ def run(matrix: Matrix, opts: RunOptions, console: Console | None = None,
             from .worker import release_group
 
             release_group()
-        manifest.data.wall_s = time.perf_counter() - started
+        # The matrix's wall time is every invocation's that worked on this directory: a resumed
+        # run's cells and loads come from earlier invocations too, which its own wall time alone
+        # would leave out (a matrix shorter than the cells it holds).
+        m.runs[-1]["wall_s"] = time.perf_counter() - started
+        m.wall_s = sum(r.get("wall_s", 0.0) for r in m.runs)
         if leader:
             manifest.save()
         if stop:
