@@ -85,6 +85,7 @@ TRUTH = textwrap.dedent('''
                 first = name
                 break
         print("FIRST", json.dumps(first))
+    dist.barrier()  # no rank leaves while another still works (see repaudit/run/worker.py)
     dist.destroy_process_group()
 ''')
 

@@ -57,6 +57,7 @@ SCRIPT = textwrap.dedent('''
         result = tracer.finish()
         if dist.get_rank() == 0:
             write_trace(out / f"{name}.trace.parquet", result[0], result[1], {"id": name})
+    dist.barrier()  # no rank leaves while rank 0 still writes (see repaudit/run/worker.py)
     dist.destroy_process_group()
 ''')
 

@@ -272,6 +272,10 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
 
     if dist.is_initialized():
+        # The ranks leave together: a gloo rank that tears its group down while another still
+        # writes its record aborts in C++ ("terminate called without an active exception",
+        # SIGABRT), and the launcher then ends the job and its cell as failed.
+        dist.barrier()
         dist.destroy_process_group()
     return 0
 
