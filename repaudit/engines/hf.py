@@ -292,7 +292,8 @@ def generate(hfm: HFModel, batch: list[Sequence], topk: int) -> tuple[list[Token
     if graphed is not None and graphed.failed:
         warnings.warn(f"decode steps ran without a CUDA graph (same bits, slower): {graphed.failed}", stacklevel=2)
 
-    stacked = _record_fields(host_values({k: torch.stack([s[k] for s in steps]) for k in steps[0]}), topk)  # [steps, B, ...]
+    stacked = _record_fields(host_values({k: torch.stack([s[k] for s in steps]) for k in steps[0]}), topk)
+    # stacked: [steps, B, ...]
     rows = []
     for b, s in enumerate(batch):
         n_gen = int(gen_len[b])

@@ -150,8 +150,9 @@ def step_head(model: torch.nn.Module, log_softmax: Callable[..., torch.Tensor],
               hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A decode step's final hidden states [B, H] -> (fp32 logits, fp32 log-softmax) [B, V]: a
     recorded logprob is log_softmax of `model(ids).logits.float()` (`log_softmax`: the engine's,
-    which the kernel modes replace). The B rows go through lm_head as one GEMM of B rows, as generate() does
-    at batch B; [B, 1, H] would be B GEMVs that each read all of lm_head, far slower on a GPU."""
+    which the kernel modes replace). The B rows go through lm_head as one GEMM of B rows, as
+    generate() does at batch B; [B, 1, H] would be B GEMVs that each read all of lm_head, far
+    slower on a GPU."""
     logits = model_logits(model, hidden[None])[0].float()
     return logits, log_softmax(logits)
 
@@ -161,7 +162,8 @@ def step_head(model: torch.nn.Module, log_softmax: Callable[..., torch.Tensor],
 # buffer's start): torch's CUDA softmax picks its vector path by that alignment and reduces
 # unaligned rows in another order, and Triton specializes a kernel on its pointers' alignment.
 ROW_ALIGN = 4
-GROUP_BYTES = 1 << 28  # fp32 logits of the rows whose values one row_values call takes (and as much for their log-softmax)
+# fp32 logits of the rows whose values one row_values call takes (as much again for their log-softmax)
+GROUP_BYTES = 1 << 28
 
 
 def _aligned(rows: int) -> int:
