@@ -7,7 +7,8 @@
 # PART=tp2: the score rows at TP=2 on both GPUs.
 # PART=one (one GPU): lane 1's tests with tbik's fused-op GPU tests, its decode rows, then the
 # engine's generate rows against plain model.generate for bi and tbik (batch 1, 8, 32).
-# PART=score1 (one GPU): lane 1's tests, then lane 0's score rows.
+# PART=score1 (one GPU): lane 1's tests, the record values' kernel times
+#   (row_values_bench.json), then lane 0's score rows.
 # PROFILE=1: torch.profiler tables of the score rows at batch 8 (profile-*.txt).
 #
 #   OUT=dir [PART=lanes|tp2|one|score1] [RUNS=3] [PROFILE=1] bash benchmarks/gpu_score.sh
@@ -63,6 +64,9 @@ if [ "$PART" = lanes ]; then
 elif [ "$PART" = score1 ]; then
   CUDA_VISIBLE_DEVICES=0 gpu_tests > "$OUT/lane1.log" 2>&1
   tail -n 2 "$OUT/lane1.log"
+  step "record values' kernel times"
+  CUDA_VISIBLE_DEVICES=0 python3 benchmarks/row_values_bench.py --rows 1,32,1100 --json "$OUT/row_values_bench.json" \
+    > "$OUT/row_values_bench.log" 2>&1
   lane0 > "$OUT/lane0.log" 2>&1
   grep -o '"kernels": "[a-z]*", "mode": "score", "tp": 1, "batch": [0-9]*\|"ratio": [0-9.]*' "$OUT/lane0.log" | paste - -
 elif [ "$PART" = one ]; then

@@ -2,7 +2,9 @@
 (the fp32 cast of the logits, torch's or tbik's log-softmax): CUDA-event times of each, on rows of
 151,936 columns. `rounds_in_every_segment_us` is one kernel that hashes and takes top-k
 candidates in every segment (the design before the threshold skip); `digest_only_us` and
-`rounds_only_us` are its halves.
+`rounds_only_us` are its halves. `widen_us` is the fp32 cast that takes the digest's partials on
+its way (row_values_kernel.widen_gpu), `row_values_given_digest_us` the record values after it:
+together they replace `float_copy_us` + `row_values_us`.
 
     python3 benchmarks/row_values_bench.py [--rows 1,32,1100] [--json out.json]
 """
@@ -80,6 +82,7 @@ def main() -> None:
         n_seg = triton.cdiv(args.vocab, rvk.SEGMENT)
         keys = torch.empty((n, n_seg * k), dtype=torch.int32, device="cuda")
         cols, parts = torch.empty_like(keys), torch.empty((n, n_seg), dtype=torch.int64, device="cuda")
+        given = rvk.digest_parts(n, args.vocab, torch.device("cuda"))
 
         def variant(digest: bool, topk: bool):
             return lambda: _variant_kernel[(n, n_seg)](lp.view(torch.int32), logits.view(torch.int32), lp.stride(0),
@@ -91,6 +94,8 @@ def main() -> None:
                "torch_log_softmax_us": _time(lambda: torch.log_softmax(logits, -1, out=lp)),
                "tbik_log_softmax_us": _time(lambda: tbik.log_softmax(logits, -1, out=lp)),
                "row_values_us": _time(lambda: rvk.row_values_gpu(logits, lp, targets, k)),
+               "widen_us": _time(lambda: rvk.widen_gpu(raw, logits, given)),
+               "row_values_given_digest_us": _time(lambda: rvk.row_values_gpu(logits, lp, targets, k, given)),
                "rounds_in_every_segment_us": _time(variant(True, True)),
                "digest_only_us": _time(variant(True, False)),
                "rounds_only_us": _time(variant(False, True))}

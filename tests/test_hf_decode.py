@@ -8,7 +8,8 @@ in test_tbik_ops.py; the stock static path against the model's own static-cache 
 test_conformance.py.
 
 GPU (marked, skipped on CPU): CUDA-graph replays against the eager static steps, every kernel
-mode, bit for bit; run by benchmarks/gpu_decode.sh.
+mode, bit for bit, and stock graph replays against model.generate with a static cache; run by
+benchmarks/gpu_decode.sh and benchmarks/gpu_score.sh.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
+from transformers import GenerationConfig
 
 from repaudit import builtin
 from repaudit.engines import hf, hf_decode
@@ -72,31 +74,45 @@ def test_stock_static_cache_moves_bits_that_tbik_keeps(tiny):
     assert not all(_bits_equal(d, s) for d, s in zip(dynamic, static))
 
 
-def test_stock_static_records_are_generate_with_a_static_cache_bit_for_bit(tiny):
-    """What docs/engine.md promises: a stock static-cache record is
-    model.generate(cache_implementation="static")'s, whose cache has max_length - 1 slots. SDPA
-    sums over every slot, so a cache one slot longer (the engine's before) moved bits."""
-    from transformers import GenerationConfig
-
+def _assert_generate_with_a_static_cache(hfm, decode: str) -> None:
     new = 6
     batch = [Sequence(s.prompt_id, s.prompt, None, new) for s in _batch(seed=4)]
-    rows = _generate(tiny, "static", batch, "stock")
+    rows = _generate(hfm, decode, batch, "stock")
     T = max(len(s.prompt) for s in batch)
     ids = torch.zeros((len(batch), T), dtype=torch.long)
     mask = torch.zeros_like(ids)
     for b, s in enumerate(batch):
         ids[b, T - len(s.prompt):] = torch.tensor(s.prompt)
         mask[b, T - len(s.prompt):] = 1
+    # disable_compile: on CUDA, generate torch.compiles the static-cache step by default, whose
+    # fused kernels compute other bits than the model's own forward (docs/engine.md).
     config = GenerationConfig(max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0,
-                              eos_token_id=None, cache_implementation="static")
+                              eos_token_id=None, cache_implementation="static", disable_compile=True)
     with torch.inference_mode():
-        out = tiny.model.generate(input_ids=ids, attention_mask=mask, generation_config=config,
-                                  output_logits=True, return_dict_in_generate=True)
+        out = hfm.model.generate(input_ids=ids.to(hfm.device), attention_mask=mask.to(hfm.device),
+                                 generation_config=config, output_logits=True, return_dict_in_generate=True)
     for b, r in enumerate(rows):
         logits = torch.stack([step[b] for step in out.logits]).float()
         want = torch.log_softmax(logits, -1)[torch.arange(new), out.sequences[b, T:]]
-        assert np.array_equal(r.token_id, out.sequences[b, T:].numpy())
-        assert np.array_equal(r.logprob.view(np.uint32), want.numpy().view(np.uint32)), r.prompt_id
+        assert np.array_equal(r.token_id, out.sequences[b, T:].cpu().numpy())
+        assert np.array_equal(r.logprob.view(np.uint32), want.cpu().numpy().view(np.uint32)), r.prompt_id
+
+
+def test_stock_static_records_are_generate_with_a_static_cache_bit_for_bit(tiny):
+    """What docs/engine.md promises: a stock static-cache record is
+    model.generate(cache_implementation="static", disable_compile=True)'s, whose cache has
+    max_length - 1 slots. SDPA
+    sums over every slot, so a cache one slot longer (the engine's before) moved bits."""
+    _assert_generate_with_a_static_cache(tiny, "static")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_stock_graph_records_are_generate_with_a_static_cache_on_a_gpu():
+    """The same on a GPU, bf16, from the CUDA-graph decode (CUDA's default)."""
+    path = builtin.ensure("builtin:qwen3-0.6b")
+    hfm = hf.load(str(path), dtype="bfloat16", device="cuda", tp=1, stop_ids=(), pad_id=0)
+    _assert_generate_with_a_static_cache(hfm, "graphs")
 
 
 def test_stock_static_decode_reads_repeated_keys_kept_with_the_cache_bit_for_bit(monkeypatch):

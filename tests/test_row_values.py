@@ -85,6 +85,7 @@ def test_bad_requests_are_refused():
     "test_segments_below_the_rows_threshold_are_skipped_rightly",
     "test_a_list_longer_than_the_kernels_is_refused",
     "test_digests_of_16_bit_and_strided_rows",
+    "test_widen_casts_and_takes_the_digest_partials",
 ])
 def test_row_values_kernels_under_the_interpreter(case, interpreted_case):
     proc = interpreted_case(CASES, case)
@@ -107,6 +108,34 @@ def test_the_gpu_kernels_give_the_references_bits(n, vocab, topk):
         a = got[name].cpu()
         assert torch.equal(a.view(torch.int32) if a.is_floating_point() else a,
                            w.view(torch.int32) if w.is_floating_point() else w), name
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_widen_gives_float_bits_on_every_16_bit_pattern_on_a_gpu(dtype):
+    """The cast that takes the digest on its way writes torch's .float() bits for all 65,536
+    patterns (NaN payloads, subnormals, -0 included), and the values made from its digest
+    partials are those made from the fp32 rows: also for strided rows of an odd width."""
+    from repaudit.engines.row_values import widen, widen_parts
+
+    every = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(dtype).view(16, 4096)
+    wide = torch.randn(7, 1100, generator=torch.Generator().manual_seed(2)).to(dtype)
+    for raw in (every.cuda(), wide[:, :1001].cuda()):
+        out = torch.empty(raw.shape, dtype=torch.float32, device="cuda")
+        parts = widen_parts(raw)
+        assert parts is not None
+        widen(raw, out, parts)
+        want = raw.float()
+        assert torch.equal(out.view(torch.int32), want.view(torch.int32))
+        lp = torch.log_softmax(want, -1)
+        targets = torch.arange(raw.shape[0], device="cuda")
+        got = row_values(out, lp, targets, 5, parts)
+        ref = row_values(want.cpu(), lp.cpu(), targets.cpu(), 5)
+        for name, w in ref.items():
+            a = got[name].cpu()
+            assert torch.equal(a.view(torch.int32) if a.is_floating_point() else a,
+                               w.view(torch.int32) if w.is_floating_point() else w), name
 
 
 def test_canonical_order_is_the_row_values_order():

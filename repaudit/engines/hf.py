@@ -217,7 +217,8 @@ def generate(hfm: HFModel, batch: list[Sequence], topk: int) -> tuple[list[Token
     max_new = max(s.max_new_tokens for s in batch)
     # A static cache's mask spans every slot from the start; the steps fill it in. Its slots are
     # generate()'s (max_length - 1: the last new token is never fed back), since SDPA sums over
-    # every slot, masked ones too, and a stock record is generate(cache_implementation="static")'s.
+    # every slot, masked ones too, and a stock record is generate(cache_implementation="static",
+    # disable_compile=True)'s.
     width = T + max_new - 1 if decode != "dynamic" else T
     ids = torch.full((B, T), hfm.pad_id, dtype=torch.long)
     mask = torch.zeros((B, width), dtype=torch.long)
@@ -231,12 +232,12 @@ def generate(hfm: HFModel, batch: list[Sequence], topk: int) -> tuple[list[Token
     multi_rank = dist.is_initialized() and dist.get_world_size() > 1
 
     def choose(hidden_last: torch.Tensor) -> dict[str, torch.Tensor]:
-        logits, lp = step_head(hfm.model, hfm.log_softmax, hidden_last)
+        logits, lp, parts = step_head(hfm.model, hfm.log_softmax, hidden_last)
         nxt = logits.argmax(dim=-1)
         if multi_rank:
             # One rank decides, as serving engines do, so ranks whose logits differ cannot fork.
             dist.broadcast(nxt, src=0)
-        return {**row_values(logits, lp, nxt, topk), "chosen": nxt}
+        return {**row_values(logits, lp, nxt, topk, parts), "chosen": nxt}
 
     def eager_step(feed: torch.Tensor, step_mask: Any, pos: torch.Tensor) -> dict[str, torch.Tensor]:
         hidden = _forward(hfm, feed, step_mask, pos, None, pids, past_key_values=cache, use_cache=True)

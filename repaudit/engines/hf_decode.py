@@ -14,8 +14,8 @@ Bits:
 - What the static cache changes is the attention's key count: the cache has all its slots from
   the start, masked past the current position. tbik's attention (bi and tbik modes) stops at
   the last written key, so those records are the dynamic cache's bit for bit; stock SDPA sums
-  over the whole masked cache, so stock records are model.generate(cache_implementation="static")'s,
-  which are not "dynamic"'s.
+  over the whole masked cache, so stock records are model.generate(cache_implementation="static",
+  disable_compile=True)'s, which are not "dynamic"'s.
 - Stock SDPA reads each layer's keys and values repeated to the query heads from a copy kept
   with the cache (grouped_key_mirrors) instead of repeating the whole cache every step: the
   same tensor values, so the same bits.

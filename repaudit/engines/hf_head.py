@@ -19,7 +19,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from .row_values import row_values
+from .row_values import row_values, widen, widen_parts
 from .source import same_code
 
 LOGIT_ROWS_PER_CHUNK = 256
@@ -147,14 +147,17 @@ def model_logits(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def step_head(model: torch.nn.Module, log_softmax: Callable[..., torch.Tensor],
-              hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A decode step's final hidden states [B, H] -> (fp32 logits, fp32 log-softmax) [B, V]: a
-    recorded logprob is log_softmax of `model(ids).logits.float()` (`log_softmax`: the engine's,
-    which the kernel modes replace). The B rows go through lm_head as one GEMM of B rows, as
-    generate() does at batch B; [B, 1, H] would be B GEMVs that each read all of lm_head, far
-    slower on a GPU."""
-    logits = model_logits(model, hidden[None])[0].float()
-    return logits, log_softmax(logits)
+              hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """A decode step's final hidden states [B, H] -> (fp32 logits, fp32 log-softmax) [B, V] and
+    the logits' digest partials (row_values.widen): a recorded logprob is log_softmax of
+    `model(ids).logits.float()` (`log_softmax`: the engine's, which the kernel modes replace).
+    The B rows go through lm_head as one GEMM of B rows, as generate() does at batch B;
+    [B, 1, H] would be B GEMVs that each read all of lm_head, far slower on a GPU."""
+    raw = model_logits(model, hidden[None])[0]
+    logits = torch.empty(raw.shape, dtype=torch.float32, device=raw.device)
+    parts = widen_parts(raw)
+    widen(raw, logits, parts)
+    return logits, log_softmax(logits), parts
 
 
 # A head chunk's rows start at a multiple of this many rows in the group's buffers, so every fp32
@@ -217,18 +220,20 @@ def score_values(model: torch.nn.Module, log_softmax: Callable[..., torch.Tensor
     """Final hidden states [B, T, H] of right-padded sequences -> the values (on the host) of
     the rows plan.recorded: sequence b's positions 0 .. n_b - 2, sequences in order.
 
-    Each chunk's logits are written, cast to fp32, into a group buffer, their log-softmax next
-    to them; one row_values call then reads the whole group (a few launches per group, not per
+    Each chunk's logits are written, cast to fp32, into a group buffer (on a GPU the cast takes
+    their digest partials on the way: row_values.widen), their log-softmax next to them; one
+    row_values call then reads the whole group (a few launches per group, not per
     sequence). A row's values depend only on its own logits (row_values is row-wise), so
     grouping changes no bit."""
     total = len(plan.targets)
-    parts: list[dict[str, torch.Tensor]] = []
-    logits_buf = lp_buf = None
+    values: list[dict[str, torch.Tensor]] = []
+    logits_buf = lp_buf = digest_buf = None
     first = 0  # the current group's first row in the row space
 
     def flush(end: int) -> None:
         rows = end - first
-        parts.append(row_values(logits_buf[:rows], lp_buf[:rows], plan.targets[first:end], topk))
+        values.append(row_values(logits_buf[:rows], lp_buf[:rows], plan.targets[first:end], topk,
+                                 None if digest_buf is None else digest_buf[:rows]))
 
     for (b, i, j, _), start in zip(plan.chunks, plan.starts):
         raw = model_logits(model, hidden[b, i:j][None])[0]
@@ -236,17 +241,18 @@ def score_values(model: torch.nn.Module, log_softmax: Callable[..., torch.Tensor
         if logits_buf is None or end - first > len(logits_buf):
             if logits_buf is not None:
                 flush(start)
-                logits_buf = lp_buf = None  # their memory can serve the next group's buffers
+                logits_buf = lp_buf = digest_buf = None  # their memory can serve the next group's buffers
             first = start
             vocab = raw.shape[-1]
             size = min(total - start, max(end - start, GROUP_BYTES // (4 * vocab) // ROW_ALIGN * ROW_ALIGN))
             logits_buf = torch.empty((size, vocab), dtype=torch.float32, device=raw.device)
             lp_buf = torch.empty_like(logits_buf)
-        logits = logits_buf[start - first : start - first + j - i]
-        logits.copy_(raw)  # .float()'s bits
-        log_softmax(logits, out=lp_buf[start - first : start - first + j - i])
+            digest_buf = widen_parts(raw, size)
+        rows = slice(start - first, start - first + j - i)
+        widen(raw, logits_buf[rows], None if digest_buf is None else digest_buf[rows])  # .float()'s bits
+        log_softmax(logits_buf[rows], out=lp_buf[rows])
     flush(total)
-    host = host_values_of(parts)  # one wait for the device
+    host = host_values_of(values)  # one wait for the device
     return {k: np.concatenate([h[k] for h in host])[plan.recorded] for k in host[0]}
 
 

@@ -7,7 +7,8 @@ entries its kernel meets first at the k-th place). A NaN counts as larger than e
 -0.0 as equal to +0.0. The top-1 is the list's first entry: the lowest id among the largest
 logprobs, torch.argmax's answer.
 
-On a GPU one Triton kernel makes all of them from two reads of each row (row_values_kernel.py):
+On a GPU Triton kernels make all of them from two reads of each row (row_values_kernel.py), the
+digest's read being the fp32 cast's own where widen makes the fp32 rows:
 torch.topk's radix passes, argmax and the digest were about 4 of the 5 extra passes over the
 logits that made a scored token cost more than the model's forward. Elsewhere, torch ops with
 the same definition (the reference the kernel is tested against).
@@ -38,10 +39,38 @@ def reference_topk(lp: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor
     return lp.gather(1, ids), ids
 
 
-def row_values(logits: torch.Tensor, lp: torch.Tensor, targets: torch.Tensor, topk: int) -> dict[str, torch.Tensor]:
+def _widened_on_gpu(raw: torch.Tensor) -> bool:
+    return raw.is_cuda and raw.dtype in (torch.bfloat16, torch.float16) and raw.dim() == 2 and type(raw) is torch.Tensor
+
+
+def widen_parts(raw: torch.Tensor, rows: int | None = None) -> torch.Tensor | None:
+    """A buffer for the digest partials of `rows` (default: all) rows like raw's, where widen
+    takes them (16-bit logits on a GPU); None where row_values hashes the fp32 rows itself."""
+    if not _widened_on_gpu(raw):
+        return None
+    from .row_values_kernel import digest_parts
+
+    return digest_parts(raw.shape[0] if rows is None else rows, raw.shape[-1], raw.device)
+
+
+def widen(raw: torch.Tensor, out: torch.Tensor, parts: torch.Tensor | None) -> None:
+    """out <- raw.float() (an exact cast: the same bits). With `parts` from widen_parts, the
+    rows' digest partials are taken on the way, for row_values, which then skips its own pass
+    over the fp32 rows."""
+    if parts is None:
+        out.copy_(raw)
+        return
+    from .row_values_kernel import widen_gpu
+
+    widen_gpu(raw, out, parts)
+
+
+def row_values(logits: torch.Tensor, lp: torch.Tensor, targets: torch.Tensor, topk: int,
+               parts: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """Rows of fp32 logits [n, V], their log-softmax [n, V] and the n recorded tokens ->
     logprob [n], top1 [n], digest [n] (int64 holding the uint64), and with topk > 0
-    topk_lp [n, topk], topk_ids [n, topk] in the list's order."""
+    topk_lp [n, topk], topk_ids [n, topk] in the list's order. `parts`: the logits' digest
+    partials, where widen took them."""
     if lp.dtype != torch.float32:
         raise TypeError(f"row values are taken from fp32 logprobs, got {lp.dtype}")
     if not 0 <= topk <= lp.shape[-1]:
@@ -49,7 +78,7 @@ def row_values(logits: torch.Tensor, lp: torch.Tensor, targets: torch.Tensor, to
     if lp.is_cuda and lp.shape[0]:
         from .row_values_kernel import MAX_K, row_values_gpu
 
-        out = row_values_gpu(logits, lp, targets, topk if topk <= MAX_K else 0)
+        out = row_values_gpu(logits, lp, targets, topk if topk <= MAX_K else 0, parts)
         if topk > MAX_K:
             out["topk_lp"], out["topk_ids"] = reference_topk(lp, topk)
         return out

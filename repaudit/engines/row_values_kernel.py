@@ -1,7 +1,11 @@
-"""row_values.py's values on a GPU, in four Triton kernels.
+"""row_values.py's values on a GPU, in four Triton kernels, and the fp32 cast that can take the
+digest's partial sums on its way.
 
-1. One program per (row, segment of SEGMENT columns): the segment's digest partial sum and its
-   largest order key. Segments, not rows, are the unit of work: a decode step has 1 to 32 rows
+0. (widen_gpu, before the log-softmax) 16-bit logits -> fp32, and each (row, segment)'s digest
+   partial sum from the values in registers: the digest then costs no pass of its own over the
+   fp32 row, and a segment's column keys are hashed once for ROWS rows.
+1. One program per (row, segment of SEGMENT columns): the segment's digest partial sum (unless
+   widen_gpu took it) and its largest order key. Segments, not rows, are the unit of work: a decode step has 1 to 32 rows
    of 150k columns, too few programs for a GPU if each read a whole row.
 2. One program per row: the row's threshold T, the K-th largest of its segments' largest keys
    (counted with repeats). K segments each hold a key >= T, so the row's K-th largest key is
@@ -30,6 +34,7 @@ from tbik.tl.launcher import CachedKernel
 from ..record.digest_kernel import BASE, INT_VIEW, mix
 
 SEGMENT = 4096
+WIDEN_ROWS = 4  # rows per widen program: its column keys are hashed once for them
 MAX_K = 32  # k rounds are unrolled; row_values takes a longer list from reference_topk
 # In the kernels, -2**31 is below every value's key (an empty candidate slot, a dead column)
 # and 2**31 - 1 a column past every row.
@@ -44,8 +49,30 @@ def _order_key(bits):
 
 
 @triton.jit
+def _widen_kernel(raw_ptr, raw_stride, out_ptr, out_stride, n_rows, n_cols, base, part_ptr,
+                  SEG: tl.constexpr, ROWS: tl.constexpr):
+    g = tl.program_id(0)
+    s = tl.program_id(1)
+    n_seg = tl.num_programs(1)
+    cols = s * SEG + tl.arange(0, SEG)
+    live = cols < n_cols
+    key = mix(cols.to(tl.uint64) + base)
+    for i in tl.static_range(ROWS):
+        r = g * ROWS + i
+        ok = r < n_rows
+        row = r.to(tl.int64)
+        # The widening conversion is exact: these are .float()'s values (tested against it on
+        # every 16-bit pattern), and the digest hashes the bits stored.
+        x = tl.load(raw_ptr + row * raw_stride + cols, mask=live & ok, other=0).to(tl.float32)
+        tl.store(out_ptr + row * out_stride + cols, x, mask=live & ok)
+        bits = (x.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF).to(tl.uint64)
+        acc = tl.where(live, mix(bits ^ key), 0)
+        tl.store(part_ptr + r * n_seg + s, tl.sum(acc, axis=0).to(tl.int64, bitcast=True), mask=ok)
+
+
+@triton.jit
 def _segment_kernel(lp_ptr, logit_ptr, lp_stride, logit_stride, n_cols, offset, base, mask,
-                    part_ptr, top_ptr, SEG: tl.constexpr):
+                    part_ptr, top_ptr, SEG: tl.constexpr, DIGEST: tl.constexpr):
     r = tl.program_id(0)
     s = tl.program_id(1)
     n_seg = tl.num_programs(1)
@@ -53,9 +80,10 @@ def _segment_kernel(lp_ptr, logit_ptr, lp_stride, logit_stride, n_cols, offset, 
     live = cols < n_cols
     row = r.to(tl.int64)
 
-    bits = (tl.load(logit_ptr + row * logit_stride + cols, mask=live, other=0).to(tl.int64) & mask).to(tl.uint64)
-    acc = tl.where(live, mix(bits ^ mix((cols + offset).to(tl.uint64) + base)), 0)
-    tl.store(part_ptr + r * n_seg + s, tl.sum(acc, axis=0).to(tl.int64, bitcast=True))
+    if DIGEST:
+        bits = (tl.load(logit_ptr + row * logit_stride + cols, mask=live, other=0).to(tl.int64) & mask).to(tl.uint64)
+        acc = tl.where(live, mix(bits ^ mix((cols + offset).to(tl.uint64) + base)), 0)
+        tl.store(part_ptr + r * n_seg + s, tl.sum(acc, axis=0).to(tl.int64, bitcast=True))
     keys = tl.where(live, _order_key(tl.load(lp_ptr + row * lp_stride + cols, mask=live, other=0)), -2147483648)
     tl.store(top_ptr + r * n_seg + s, tl.max(keys, axis=0))
 
@@ -123,14 +151,38 @@ def _row_kernel(lp_ptr, lp_stride, target_ptr, key_ptr, col_ptr, part_ptr, n_seg
     tl.store(logprob_ptr + r, tl.load(lp_ptr + row * lp_stride + tl.load(target_ptr + r)))
 
 
+_widens = CachedKernel(_widen_kernel)
 _segments = CachedKernel(_segment_kernel)
 _thresholds = CachedKernel(_threshold_kernel)
 _candidates = CachedKernel(_candidate_kernel)
 _rows = CachedKernel(_row_kernel)
 
 
-def row_values_gpu(logits: torch.Tensor, lp: torch.Tensor, targets: torch.Tensor, topk: int) -> dict[str, torch.Tensor]:
-    """row_values.row_values for rows on a GPU (same values, same bits), top-k up to MAX_K."""
+def digest_parts(n: int, vocab: int, device: torch.device) -> torch.Tensor:
+    """A buffer for n rows' digest partial sums, one per segment (int64 holding uint64)."""
+    return torch.empty((n, triton.cdiv(vocab, SEGMENT)), dtype=torch.int64, device=device)
+
+
+def widen_gpu(raw: torch.Tensor, out: torch.Tensor, parts: torch.Tensor) -> None:
+    """out <- raw [n, V] (bf16 or fp16) as fp32, the bits of raw.float(); parts (digest_parts)
+    <- the digest's partial sums of out's rows, taken in the same pass."""
+    n, vocab = raw.shape
+    if raw.stride(-1) != 1:
+        raw = raw.contiguous()
+    if out.stride(-1) != 1 or out.shape != raw.shape or out.dtype != torch.float32:
+        raise ValueError(f"widen_gpu writes a row-major fp32 [{n}, {vocab}], got {out.dtype} {tuple(out.shape)}")
+    if parts.shape != (n, triton.cdiv(vocab, SEGMENT)) or not parts.is_contiguous():
+        raise ValueError(f"digest partials of shape {tuple(parts.shape)} for {n} rows of {vocab}")
+    if n:
+        _widens((triton.cdiv(n, WIDEN_ROWS), parts.shape[1]),
+                (raw, raw.stride(0), out, out.stride(0), n, vocab, BASE, parts),
+                {"SEG": SEGMENT, "ROWS": WIDEN_ROWS, "num_warps": 8})
+
+
+def row_values_gpu(logits: torch.Tensor, lp: torch.Tensor, targets: torch.Tensor, topk: int,
+                   parts: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """row_values.row_values for rows on a GPU (same values, same bits), top-k up to MAX_K.
+    `parts`: the digest partials widen_gpu took of these logits (then not hashed again)."""
     n, vocab = lp.shape
     if not 0 <= topk <= min(MAX_K, vocab):
         raise ValueError(f"the kernels keep top-k lists of 0 to {min(MAX_K, vocab)} entries here, not {topk}")
@@ -144,11 +196,15 @@ def row_values_gpu(logits: torch.Tensor, lp: torch.Tensor, targets: torch.Tensor
     n_seg = triton.cdiv(vocab, SEGMENT)
     keys = torch.empty((n, n_seg * k), dtype=torch.int32, device=dev)
     cols = torch.empty_like(keys)
-    parts = torch.empty((n, n_seg), dtype=torch.int64, device=dev)
+    digest = parts is None
+    if digest:
+        parts = digest_parts(n, vocab, dev)
+    elif parts.shape != (n, n_seg) or not parts.is_contiguous():
+        raise ValueError(f"digest partials of shape {tuple(parts.shape)} for {n} rows of {vocab}")
     tops = torch.empty((n, n_seg), dtype=torch.int32, device=dev)
     lp_bits = lp.view(torch.int32)
     _segments((n, n_seg), (lp_bits, logits.view(view), lp.stride(0), logits.stride(0), vocab, 0, BASE, mask,
-                           parts, tops), {"SEG": SEGMENT, "num_warps": 8})
+                           parts, tops), {"SEG": SEGMENT, "DIGEST": digest, "num_warps": 8})
     thresholds = torch.empty(n, dtype=torch.int32, device=dev)
     _thresholds((n,), (tops, n_seg, thresholds), {"K": k, "SEGS": triton.next_power_of_2(n_seg), "num_warps": 1})
     _candidates((n, n_seg), (lp_bits, lp.stride(0), vocab, tops, thresholds, keys, cols),

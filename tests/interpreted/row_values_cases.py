@@ -93,5 +93,26 @@ def test_digests_of_16_bit_and_strided_rows():
         assert torch.equal(got["topk_ids"], reference_topk(lp, 5)[1])
 
 
+def test_widen_casts_and_takes_the_digest_partials():
+    """widen_gpu's fp32 rows are .float()'s, and row_values from its digest partials gives the
+    values row_values takes of the fp32 rows itself: strided 16-bit rows, a short last segment,
+    row counts on both sides of a multiple of WIDEN_ROWS. (No subnormals here: the interpreter's
+    bf16 conversion flushes them; the GPU test takes every 16-bit pattern.)"""
+    kernel.SEGMENT = 1024
+    g = torch.Generator().manual_seed(11)
+    for dtype in (torch.bfloat16, torch.float16):
+        for n in (1, 5, 8):
+            wide = (torch.randn(n, 2600, generator=g) * 8).to(dtype)
+            wide[0, :4] = torch.tensor([float("inf"), float("-inf"), -0.0, 65504.0])
+            raw = wide[:, :2500]
+            out = torch.full((n, 2500), 7.0)
+            parts = kernel.digest_parts(n, 2500, raw.device)
+            kernel.widen_gpu(raw, out, parts)
+            assert torch.equal(out.view(torch.int32), raw.float().view(torch.int32))
+            lp = torch.log_softmax(out, -1)
+            targets = torch.randint(0, 2500, (n,), generator=g)
+            _same(kernel.row_values_gpu(out, lp, targets, 5, parts), row_values(raw.float(), lp, targets, 5))
+
+
 if __name__ == "__main__":
     globals()[sys.argv[1]]()
