@@ -129,6 +129,21 @@ def test_max_seq_divergence_boundary(make_record, capsys):
     assert rc == 0 and "WITHIN THRESHOLDS" in out
 
 
+def test_max_seq_divergence_compares_the_fraction_exactly(make_record, capsys):
+    """1 of 3 forked is above 0.3333333333333333 (a float64 division says equal); 7 of 10 is
+    within 0.7 (whose double is below 7/10)."""
+    three = ("p0", "p1", "p2")
+    a = make_record("a.parquet", **columns(prompts=three))
+    b = make_record("b.parquet", **columns(prompts=three, tokens={("p2", i): 7 for i in range(2, LENGTH)}))
+    assert run(capsys, "diff", a, b, "--max-seq-divergence", "0.3333333333333333")[0] == 1
+    assert run(capsys, "diff", a, b, "--max-seq-divergence", "0.3333333333333334")[0] == 0
+    ten = tuple(f"q{i}" for i in range(10))
+    a = make_record("c.parquet", **columns(prompts=ten))
+    b = make_record("d.parquet", **columns(prompts=ten, tokens={(f"q{j}", i): 7 for j in range(7) for i in range(2, LENGTH)}))
+    assert run(capsys, "diff", a, b, "--max-seq-divergence", "0.7")[0] == 0
+    assert run(capsys, "diff", a, b, "--max-seq-divergence", "0.6999999999999999")[0] == 1
+
+
 def test_json_and_markdown_reports(make_record, capsys, tmp_path):
     a = make_record("a.parquet", **columns(), env={"torch": "2.5.1"})
     b = make_record("b.parquet", **columns(bits={("p0", 1): 0xFF800000, ("p1", 1): 0x7FC00000}), env={"torch": "2.6.0"})

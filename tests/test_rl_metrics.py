@@ -225,3 +225,22 @@ def test_a_signalling_nan_margin_is_left_out_quietly(tmp_path):
     rl = r.to_dict()["rl"]
     assert rl["flip_rate"] == 0.5 and rl["flip_margin_p50"] is None
     assert any("numeric margin" in s for s in r.not_compared)
+
+
+def test_k3_series_leaves_out_less_than_its_stated_share_at_every_size():
+    """docs/metrics.md: the k3 term's Taylor series is cut where the rest is below 2**-56 of the
+    term. Exact remainders (60-digit decimals) at both signs of d, on a grid of largest |d| up to
+    1/4: cutting by the first omitted term alone leaves out more than that where d < 0."""
+    from decimal import Decimal, getcontext
+
+    from repaudit.compare.rl import _series_terms
+
+    getcontext().prec = 60
+    limit = Decimal(2) ** -56
+    for i in range(1, 2001):
+        top = 0.25 * i / 2000
+        terms = _series_terms(top)
+        for d in (Decimal(top), Decimal(-top)):
+            whole = d.exp() - 1 - d
+            partial = sum((d ** j / math.factorial(j) for j in range(2, terms + 1)), Decimal(0))
+            assert abs(whole - partial) <= limit * whole, (top, terms)

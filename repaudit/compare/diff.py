@@ -30,6 +30,7 @@ completion row the other side lacks ends it wherever it is.
 from __future__ import annotations
 
 import os
+from fractions import Fraction
 from pathlib import Path
 from typing import Iterator
 
@@ -241,7 +242,9 @@ def verdict(r: DiffResult, th: Thresholds) -> tuple[bool, list[str]]:
         reasons.append(f"{r.nan_payload_differs} logprobs are NaN on both sides with different bits")
     shared = r.shared_prompts
     diverged = [p for p in shared if not p.token_match]
-    if shared and len(diverged) / len(shared) > th.max_seq_divergence:
+    # Exactly, against the decimal the threshold reads as (its shortest repr): 1 of 3 is above
+    # 0.3333333333333333, and 7 of 10 is not above 0.7 (whose double is a little below 7/10).
+    if shared and Fraction(len(diverged), len(shared)) > Fraction(repr(th.max_seq_divergence)):
         first = diverged[0]
         reasons.append(
             f"{len(diverged)} of {len(shared)} sequences differ in tokens or length "
