@@ -394,3 +394,29 @@ def test_a_generate_cells_prefill_comes_before_its_decode_steps(traced: Path, tm
     a = _copied_cell(tmp_path, "a3", records, trace)
     b = _copied_cell(tmp_path, "b3", _replaced(records, "row_digest", row_digest), _replaced(trace, "digest", only_decode))
     assert locate(a, b).first_by_prompt[pid] == ("lm_head", prompt_len)
+
+
+def test_the_row_index_made_on_a_device_is_the_hosts():
+    """Rows.index_on_device (what a GPU runs) against numpy's concatenation (what the CPU runs):
+    blocks of several layouts, a module called twice per forward, decode keys whose live rows are
+    a subset (finished sequences left out), a key with no live row."""
+    import numpy as np
+    import torch
+
+    from repaudit.run.tracerows import Block, Layout, Rows
+
+    calls = ["a", "b", "c"]
+    prefill = Layout(["a", "b", "b", "c"], 5, np.zeros(4, np.int64), np.zeros(4, np.int64))
+    step = Layout(["a", "b", "c"], 3, np.zeros(3, np.int64), np.zeros(3, np.int64))
+    blocks = [Block(k, lay, torch.zeros(len(lay.calls) * lay.rows, dtype=torch.int64),
+                    torch.zeros((len(lay.calls) * lay.rows, 8), dtype=torch.int32), None)
+              for k, lay in enumerate([prefill, step, step, prefill, step])]
+    live = {1: np.array([0, 2]), 2: np.array([], dtype=np.int64), 4: np.array([1])}
+    token_of_key = [np.arange(5), np.arange(2), np.arange(0), np.arange(5), np.arange(1)]
+    rows = Rows.build(blocks, calls, live, token_of_key)
+    host = rows.index_on_host()
+    assert len(host) == rows.counts.sum() == 2 * (5 + 2 * 5 + 5) + 2 * 3 + 1 * 3
+    assert torch.equal(rows.index_on_device(torch.device("cpu")), host)
+    # Module "b": its two calls in the first prefill, then the steps' live rows, then the second prefill.
+    b = host[rows.counts[0]:rows.counts[0] + rows.counts[1]].tolist()
+    assert b == [*range(5, 15), 23, 25, *range(43, 53), 62]

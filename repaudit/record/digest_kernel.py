@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from tbik.tl.launcher import CachedKernel
 
 from .digest_params import GOLDEN, M1, M2, SEED
 
@@ -51,6 +52,11 @@ def _digest_rows_kernel(x_ptr, rows_ptr, stride, n_feat, offset, base, mask,
         tl.store(sample_ptr + r * SAMPLES + s, (picked * tl.load(owned_ptr + s)).to(tl.int32))
 
 
+# A traced forward launches this once per module (hundreds): Triton's own launch path binds and
+# specializes every argument in Python each time, which cost more than the kernel.
+_digest_rows = CachedKernel(_digest_rows_kernel)
+
+
 def digest_rows(x: torch.Tensor, rows: torch.Tensor | None = None, offset: int = 0,
                 pick: torch.Tensor | None = None, owned: torch.Tensor | None = None):
     """Digests of rows `rows` of the 2-D float tensor x -> int64 [n] (uint64 bits), and, with
@@ -66,8 +72,7 @@ def digest_rows(x: torch.Tensor, rows: torch.Tensor | None = None, offset: int =
     samples_n = 0 if pick is None else pick.numel()
     samples = torch.empty((n, samples_n), dtype=torch.int32, device=x.device)
     if n:
-        _digest_rows_kernel[(n,)](
-            x.view(view), rows, x.stride(0), x.shape[1], offset, BASE, mask,
-            pick if samples_n else digests, owned if samples_n else digests, digests, samples,
-            BLOCK=min(1024, triton.next_power_of_2(x.shape[1])), SAMPLES=samples_n)
+        _digest_rows((n,), (x.view(view), rows, x.stride(0), x.shape[1], offset, BASE, mask,
+                            pick if samples_n else digests, owned if samples_n else digests, digests, samples),
+                     {"BLOCK": min(1024, triton.next_power_of_2(x.shape[1])), "SAMPLES": samples_n})
     return digests, samples

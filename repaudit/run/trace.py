@@ -285,7 +285,7 @@ class Tracer:
         rows = Rows.build(self._blocks, calls, live, token_of_key)
         counts, bounds = rows.counts, np.concatenate(([0], np.cumsum(rows.counts)))
         device = self._blocks[0].digests.device
-        where = torch.from_numpy(rows.index).to(device)
+        where = rows.index(device)
         digest = torch.cat([b.digests for b in self._blocks])[where]
         sample = torch.cat([b.samples for b in self._blocks])[where]
 
@@ -304,10 +304,11 @@ class Tracer:
             self._find_rank_disagreements(calls, replicated, digest, bounds, module_rows, rows.token, prompts, code, pos)
         if self.rank != 0:
             return None
-        row_code, row_pos = code[rows.token], pos[rows.token]
+        row_code = rows.per_row([code[t] for t in token_of_key])
+        row_pos = rows.per_row([pos[t] for t in token_of_key])
         module = np.repeat(np.arange(len(calls), dtype=np.int32), counts)
         order = np.repeat(np.array([c.info.order for c in calls], dtype=np.int32), counts)
-        sel = kept_rows(rows.token, counts, rows.module_keys, disjoint)
+        sel = kept_rows(rows, disjoint)
         # One copy off the device per column.
         digest = to_host(digest).view(np.uint64)
         sample = to_host(sample).view(np.uint32)

@@ -4,6 +4,7 @@ the rows a module names twice, the routers' expert ids, and the copy off the dev
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,17 +35,20 @@ class Block:
 
 @dataclass
 class Rows:
-    """The trace's rows, module by module, as places in the blocks: `index` into the blocks'
-    columns laid end to end, each row's `token`, each module's row count and the keys of its
-    calls (in order), and, per call in that order, its block and call number in the block."""
-    index: np.ndarray
-    token: np.ndarray
+    """The trace's rows, module by module, as places in the blocks. A *segment* is one call's
+    kept rows: segments go module by module, each module's calls in order. Per segment: its
+    block and call number in the block, its first row in the blocks' columns laid end to end,
+    its kept row count and its key; per module its row count and its calls' keys."""
     counts: np.ndarray
     module_keys: list[np.ndarray]
-    module_segs: np.ndarray  # module j's calls are calls [module_segs[j], module_segs[j + 1])
+    module_segs: np.ndarray  # module j's calls are segments [module_segs[j], module_segs[j + 1])
     seg_block: np.ndarray
     seg_call: np.ndarray
+    seg_first: np.ndarray
+    seg_rows: np.ndarray
+    seg_key: np.ndarray
     sel: list[np.ndarray]  # per block: its kept rows
+    token_of_key: list[np.ndarray]
 
     @staticmethod
     def build(blocks: list[Block], calls: list[Any], live: dict[int, np.ndarray],
@@ -65,14 +69,39 @@ class Rows:
         size = np.array([b.digests.shape[0] for b in blocks], dtype=np.int64)
         first = (np.cumsum(size) - size)[seg_block] + seg_call * np.array([b.layout.rows for b in blocks])[seg_block]
         keys = np.array([b.key for b in blocks], dtype=np.int64)[seg_block]
-        # Concatenations of each call's pieces (no gather over every row: traces run to tens of millions).
-        index = np.concatenate([f + sel[b] for f, b in zip(first.tolist(), seg_block.tolist())])
-        token = np.concatenate([token_of_key[k] for k in keys.tolist()])
         n = np.array([len(s) for s in sel], dtype=np.int64)[seg_block]  # kept rows of each call
         counts = np.bincount(seg_module, weights=n, minlength=len(calls)).astype(np.int64)
         module_segs = np.concatenate(([0], np.cumsum(np.bincount(seg_module, minlength=len(calls)))))
         module_keys = np.split(keys, module_segs[1:-1])
-        return Rows(index, token, counts, module_keys, module_segs, seg_block, seg_call, sel)
+        return Rows(counts, module_keys, module_segs, seg_block, seg_call, first, n, keys, sel, token_of_key)
+
+    def index(self, device: torch.device) -> torch.Tensor:
+        """Each row's place in the blocks' columns laid end to end: segment s's rows are
+        seg_first[s] + its block's kept rows. A trace runs to tens of millions of rows, so on a
+        GPU the index is made there from the segments alone (no host array of it, no copy);
+        on the CPU numpy's concatenation is the cheaper way to the same index."""
+        return self.index_on_host() if device.type == "cpu" else self.index_on_device(device)
+
+    def index_on_host(self) -> torch.Tensor:
+        return torch.from_numpy(np.concatenate(
+            [f + self.sel[b] for f, b in zip(self.seg_first.tolist(), self.seg_block.tolist())]))
+
+    def index_on_device(self, device: torch.device) -> torch.Tensor:
+        put = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device)  # noqa: E731
+        seg = torch.repeat_interleave(put(self.seg_rows))  # each row's segment
+        sizes = np.array([len(s) for s in self.sel], dtype=np.int64)
+        kept, kept_start = put(np.concatenate(self.sel).astype(np.int64)), put(np.cumsum(sizes) - sizes)
+        within = torch.arange(len(seg), device=device) - put(np.cumsum(self.seg_rows) - self.seg_rows)[seg]
+        return put(self.seg_first)[seg] + kept[kept_start[put(self.seg_block)[seg]] + within]
+
+    def per_row(self, of_key: list[np.ndarray]) -> np.ndarray:
+        """A value per row, from one array per key (its kept rows' values, in order)."""
+        return np.concatenate([of_key[k] for k in self.seg_key.tolist()])
+
+    @functools.cached_property
+    def token(self) -> np.ndarray:
+        """Each row's token (an index into Tracer._tokens' tokens)."""
+        return self.per_row(self.token_of_key)
 
     def experts(self, blocks: list[Block], j: int) -> np.ndarray:
         """Module j's (a router's choice) ids, [rows, k], in its rows' order."""
@@ -143,13 +172,15 @@ def experts_column(row_counts: list[int], ids: list[np.ndarray | None], sel: np.
                                     mask=pa.array(width < 0))
 
 
-def kept_rows(token: np.ndarray, counts: np.ndarray, module_keys: list[np.ndarray], disjoint: bool) -> np.ndarray | None:
+def kept_rows(rows: Rows, disjoint: bool) -> np.ndarray | None:
     """The trace's rows to keep, None for all of them: only a token that is in two forwards, or
     a module called twice in one forward, can make a module name a token twice."""
-    distinct = [disjoint and len(np.unique(keys)) == len(keys) for keys in module_keys]
+    counts = rows.counts
+    distinct = [disjoint and len(np.unique(keys)) == len(keys) for keys in rows.module_keys]
     if all(distinct):
         return None
     starts = np.cumsum(counts) - counts
+    token = rows.token
     kept = [None if d else first_calls(token[s:s + n]) for d, s, n in zip(distinct, starts, counts)]
     if all(k is None for k in kept):
         return None
