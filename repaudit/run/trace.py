@@ -29,7 +29,6 @@ token, the chosen expert ids sorted ascending (the set, not the router's ranking
 from __future__ import annotations
 
 import contextlib
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -43,7 +42,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from ..record.digest import row_digest
 from ..record.tracefile import SAMPLES, SCHEMA, ModuleInfo
 from .experts import is_experts
-from .tracerows import Block, Layout, Rows, experts_column, kept_rows, host_copier
+from .tracerows import Block, Layout, Rows, experts_column, kept_rows, to_host
 
 _BITS = {torch.float32: (torch.int32, 0xFFFFFFFF, "float32"), torch.bfloat16: (torch.int16, 0xFFFF, "bfloat16"),
          torch.float16: (torch.int16, 0xFFFF, "float16")}
@@ -276,7 +275,7 @@ class Tracer:
         Rows go module by module in execution order, each module's rows in the order of its
         calls: a trace holds tokens x modules rows, tens of millions for a suite of long prompts,
         and no reader needs another order (locate joins on keys). The blocks are put in that
-        order by one gather per column, its index made from the layouts alone."""
+        order by one gather per column, its index made on the host from the layouts alone."""
         live = self._settle_keys()
         names = sorted(self.calls, key=lambda n: self.calls[n].info.order)
         if not names or not self._blocks:
@@ -305,17 +304,14 @@ class Tracer:
             self._find_rank_disagreements(calls, replicated, digest, bounds, module_rows, rows.token, prompts, code, pos)
         if self.rank != 0:
             return None
-        # One copy off the device per column, in a thread while this one makes the host's
-        # columns: both are passes over hundreds of MB, and numpy's copies release the GIL.
-        with ThreadPoolExecutor(1) as pool:
-            copied = pool.submit(host_copier([digest, sample], device))
-            row_code = rows.per_row([code[t] for t in token_of_key])
-            row_pos = rows.per_row([pos[t] for t in token_of_key])
-            module = np.repeat(np.arange(len(calls), dtype=np.int32), counts)
-            order = np.repeat(np.array([c.info.order for c in calls], dtype=np.int32), counts)
-            sel = kept_rows(rows, disjoint)
-            digest, sample = copied.result()
-        digest, sample = digest.view(np.uint64), sample.view(np.uint32)
+        row_code = rows.per_row([code[t] for t in token_of_key])
+        row_pos = rows.per_row([pos[t] for t in token_of_key])
+        module = np.repeat(np.arange(len(calls), dtype=np.int32), counts)
+        order = np.repeat(np.array([c.info.order for c in calls], dtype=np.int32), counts)
+        sel = kept_rows(rows, disjoint)
+        # One copy off the device per column.
+        digest = to_host(digest).view(np.uint64)
+        sample = to_host(sample).view(np.uint32)
         experts = [rows.experts(self._blocks, j) if c.info.routing else None for j, c in enumerate(calls)]
         if sel is not None:
             row_code, row_pos, module, order = row_code[sel], row_pos[sel], module[sel], order[sel]

@@ -1,13 +1,12 @@
 """A trace's rows, from the tracer's blocks to the table: where each module call's rows sit,
 the order the table puts them in (module by module, each module's calls in the order they ran),
-the rows a module names twice, the routers' expert ids, and the copy off the device (which
-finish runs in a thread beside its host-side work: host_copier)."""
+the rows a module names twice, the routers' expert ids, and the copy off the device."""
 
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -146,23 +145,6 @@ def to_host(t: torch.Tensor) -> np.ndarray:
     if pending is not None:
         _unstage(dst, *pending)
     return out
-
-
-def host_copier(tensors: list[torch.Tensor], device: torch.device) -> Callable[[], list[np.ndarray]]:
-    """A job that copies the tensors to the host (to_host) once the work queued so far on
-    `device` is done, to be run in another thread: the event is recorded here, on the caller's
-    stream, and the job waits for it on its own thread's stream of that device."""
-    if device.type != "cuda":
-        return lambda: [to_host(t) for t in tensors]
-    ready = torch.cuda.Event()
-    ready.record(torch.cuda.current_stream(device))
-
-    def copy() -> list[np.ndarray]:
-        with torch.cuda.device(device):
-            torch.cuda.current_stream(device).wait_event(ready)
-            return [to_host(t) for t in tensors]
-
-    return copy
 
 
 def _unstage(dst: np.ndarray, start: int, n: int, stage: torch.Tensor, done: Any) -> None:
