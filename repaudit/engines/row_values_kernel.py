@@ -3,10 +3,11 @@ digest's partial sums on its way.
 
 0. (widen_gpu, before the log-softmax) 16-bit logits -> fp32, and each (row, segment)'s digest
    partial sum from the values in registers: the digest then costs no pass of its own over the
-   fp32 row, and a segment's column keys are hashed once for ROWS rows.
+   fp32 row, and a segment's column keys are hashed once for WIDEN_ROWS rows.
 1. One program per (row, segment of SEGMENT columns): the segment's digest partial sum (unless
-   widen_gpu took it) and its largest order key. Segments, not rows, are the unit of work: a decode step has 1 to 32 rows
-   of 150k columns, too few programs for a GPU if each read a whole row.
+   widen_gpu took it) and its largest order key. Segments, not rows, are the unit of work: a
+   decode step has 1 to 32 rows of 150k columns, too few programs for a GPU if each read a
+   whole row.
 2. One program per row: the row's threshold T, the K-th largest of its segments' largest keys
    (counted with repeats). K segments each hold a key >= T, so the row's K-th largest key is
    >= T, and a segment whose largest key is below T holds none of the row's top K.
