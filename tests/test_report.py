@@ -336,3 +336,26 @@ def test_the_verdict_grid_reads_scenario_cells(cell, want):
 
     parts = _CELL_ID.match(cell).groupdict()
     assert (parts["nccl"], parts["kernels"], parts["scenario"], parts["mode"]) == want
+
+
+def test_speed_rows_keep_decode_and_generated_rates_apart():
+    """A transformers cell times its decode steps apart from its prefill; a vLLM cell, whose
+    scheduler interleaves them, does not: its time goes to the generated tokens' rate only, so
+    the decode column never holds a rate of another kind."""
+    from types import SimpleNamespace
+
+    from repaudit.engines.base import Timing
+    from repaudit.report.tables import timing_rows
+
+    hf = Timing(prefill_s=1.0, prefill_tokens=100, decode_s=2.0, decode_tokens=28, generated_tokens=32).as_dict()
+    vllm = Timing(mixed_s=4.0, generated_tokens=32).as_dict()
+    assert vllm["decode_tokens_per_s"] is None and vllm["prefill_tokens_per_s"] is None
+    assert vllm["generated_tokens_per_s"] == 8.0 and hf["generated_tokens_per_s"] == 32 / 3
+    total = Timing()
+    total.add(Timing(mixed_s=1.5, generated_tokens=3))
+    total.add(Timing(mixed_s=2.5, generated_tokens=5))
+    assert total.as_dict()["generated_tokens_per_s"] == 2.0
+    cells = [SimpleNamespace(id=i, status="done", seconds=5.0, timing=t, group="g") for i, t in (("hf", hf), ("vllm", vllm))]
+    rows = {r["cell"]: r for r in timing_rows(SimpleNamespace(cells=cells))}
+    assert rows["hf"]["decode tok/s"] == 14.0 and rows["hf"]["generated tok/s"] == 32 / 3
+    assert rows["vllm"]["decode tok/s"] is None and rows["vllm"]["generated tok/s"] == 8.0

@@ -59,8 +59,12 @@ class Timing:
     prefill_tokens: int = 0
     decode_s: float = 0.0
     decode_tokens: int = 0
+    # Engine time in which prefill and decode interleave (vLLM's scheduler mixes them in its
+    # steps): in neither of the two rates above, whose split it cannot give, only in the
+    # generated tokens' rate.
+    mixed_s: float = 0.0
     # Every generated token, the first ones (which come out of the prefill) too: a generate
-    # cell's tokens/s is these over prefill and decode time, whatever the engine's split.
+    # cell's tokens/s is these over all its engine time, whatever the engine's split.
     generated_tokens: int = 0
 
     def add(self, other: "Timing") -> None:
@@ -68,6 +72,7 @@ class Timing:
         self.prefill_tokens += other.prefill_tokens
         self.decode_s += other.decode_s
         self.decode_tokens += other.decode_tokens
+        self.mixed_s += other.mixed_s
         self.generated_tokens += other.generated_tokens
 
     def as_dict(self) -> dict[str, float | int | None]:
@@ -76,8 +81,8 @@ class Timing:
             "prefill_s": self.prefill_s, "prefill_tokens": self.prefill_tokens,
             "prefill_tokens_per_s": rate(self.prefill_tokens, self.prefill_s),
             "decode_s": self.decode_s, "decode_tokens": self.decode_tokens,
-            "decode_tokens_per_s": rate(self.decode_tokens, self.decode_s),
+            "decode_tokens_per_s": rate(self.decode_tokens, self.decode_s), "mixed_s": self.mixed_s,
             "generated_tokens": self.generated_tokens,
-            "generated_tokens_per_s": rate(self.generated_tokens, self.prefill_s + self.decode_s)
+            "generated_tokens_per_s": rate(self.generated_tokens, self.prefill_s + self.decode_s + self.mixed_s)
             if self.generated_tokens else None,
         }

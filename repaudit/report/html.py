@@ -393,6 +393,7 @@ def _speed(data: ReportData) -> str:
     rows = timing_rows(data)
     top_p = max((r["prefill tok/s"] or 0 for r in rows), default=0)
     top_d = max((r["decode tok/s"] or 0 for r in rows), default=0)
+    top_g = max((r["generated tok/s"] or 0 for r in rows), default=0)
     body = []
     for r in rows:
         def cell(key: str, top: float) -> str:
@@ -402,17 +403,19 @@ def _speed(data: ReportData) -> str:
             return _td(svg.bar(v, top, f"{r['cell']}: {v:,.1f} {key}") + e(rate(v)), "num", raw=True)
         body.append([_td(f"<code>{e(r['cell'])}</code>", raw=True), _td(r["group"]),
                      _td(r["status"], "" if r["status"] == "done" else "hl"), _td(secs(r["seconds"]), "num"),
-                     cell("prefill tok/s", top_p), cell("decode tok/s", top_d),
+                     cell("prefill tok/s", top_p), cell("decode tok/s", top_d), cell("generated tok/s", top_g),
                      _td(value_text(r["prefill tokens"]), "num"), _td(value_text(r["decode tokens"]), "num")])
     groups = _table(["launch group", "cells", "model load s", "attempts"],
                     [[_td(f"<code>{e(g.id)}</code>", raw=True), _td(len(g.cells), "num"),
                       _td(" + ".join(f"{x:.2f}" for x in g.load_s) or "—", "num"), _td(value_text(g.attempts), "num")]
                      for g in data.groups])
     return ('<h2 id="speed">Speed and time</h2><p class="lead">Tokens per second as each cell measured them (prefill: '
-            "prompt and teacher-forced tokens; decode: generated tokens). A launch group loads the model once for all "
+            "prompt and teacher-forced tokens over the prefill time; decode: the tokens of the decode steps over their "
+            "time, where the engine times them apart (vLLM interleaves prefill and decode, so it does not); generated: "
+            "every generated token over all the cell's engine time). A launch group loads the model once for all "
             f"its cells.</p><p>{e(timing_totals(data))}</p>"
-            + _table(["cell", "launch group", "status", "seconds", "prefill tok/s", "decode tok/s", "prefill tokens",
-                      "decode tokens"], body) + groups)
+            + _table(["cell", "launch group", "status", "seconds", "prefill tok/s", "decode tok/s", "generated tok/s",
+                      "prefill tokens", "decode tokens"], body) + groups)
 
 
 def _environment(data: ReportData) -> str:

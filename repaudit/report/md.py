@@ -144,9 +144,9 @@ def render_markdown(data: ReportData) -> str:
 
     if data.kind == "run":
         parts += ["## Speed and time", "", cell(timing_totals(data)), ""]
-        parts += [table(["cell", "launch group", "status", "seconds", "prefill tok/s", "decode tok/s"],
+        parts += [table(["cell", "launch group", "status", "seconds", "prefill tok/s", "decode tok/s", "generated tok/s"],
                         [[code(r["cell"]), cell(r["group"]), cell(r["status"]), secs(r["seconds"]), rate(r["prefill tok/s"]),
-                          rate(r["decode tok/s"])] for r in timing_rows(data)]), ""]
+                          rate(r["decode tok/s"]), rate(r["generated tok/s"])] for r in timing_rows(data)]), ""]
         parts += [table(["launch group", "cells", "model load s", "attempts"],
                         [[code(g.id), str(len(g.cells)), " + ".join(f"{x:.2f}" for x in g.load_s) or "—", cell(value_text(g.attempts))]
                          for g in data.groups]), ""]

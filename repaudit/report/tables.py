@@ -164,6 +164,7 @@ def timing_rows(data: ReportData) -> list[dict[str, Any]]:
         rows.append({
             "cell": c.id, "status": c.status or "—", "seconds": c.seconds,
             "prefill tok/s": t.get("prefill_tokens_per_s"), "decode tok/s": t.get("decode_tokens_per_s"),
+            "generated tok/s": t.get("generated_tokens_per_s"),
             "prefill tokens": t.get("prefill_tokens"), "decode tokens": t.get("decode_tokens"), "group": c.group or "—",
         })
     return rows
