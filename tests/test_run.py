@@ -84,7 +84,8 @@ def test_same_cell_twice_gives_identical_records(tmp_path: Path):
 def test_resume_recomputes_only_missing_cells(matrix_run: Path):
     missing = cell_path(matrix_run, "hf-tp2-bs4-default-stock-score")
     before = {p.name: (p.stat().st_mtime_ns, _sha(p)) for p in (matrix_run / "cells").glob("*.parquet")}
-    first_wall = json.loads((matrix_run / "manifest.json").read_text())["wall_s"]
+    first = json.loads((matrix_run / "manifest.json").read_text())
+    first_wall = first["wall_s"]
     missing.unlink()
     assert _run(matrix_run, tps=(1, 2), batch_sizes=(1, 4)) == 0
     after = {p.name: (p.stat().st_mtime_ns, _sha(p)) for p in (matrix_run / "cells").glob("*.parquet")}
@@ -99,6 +100,13 @@ def test_resume_recomputes_only_missing_cells(matrix_run: Path):
     # The matrix's wall time covers both invocations: the cells kept from the first one ran then.
     walls = [r["wall_s"] for r in manifest["runs"]]
     assert walls[0] == first_wall and manifest["wall_s"] == walls[0] + walls[1]
+    # The one group that ran again (the TP=2 one) keeps its first load too; the others are as they were.
+    again = [gid for gid, g in manifest["groups"].items() if g["load_s"] != first["groups"][gid]["load_s"]]
+    assert len(again) == 1 and "tp2" in again[0]
+    now, before = manifest["groups"][again[0]], first["groups"][again[0]]
+    assert now["load_s"][:len(before["load_s"])] == before["load_s"] and len(now["load_s"]) == len(before["load_s"]) + 1
+    assert now["attempts"] == before["attempts"] + 1
+    assert all(manifest["groups"][g]["attempts"] == first["groups"][g]["attempts"] for g in manifest["groups"] if g != again[0])
 
 
 def _cli(*args: str, env: dict | None = None) -> subprocess.Popen:

@@ -366,7 +366,10 @@ def _run_groups(plan, opts, run_dir, manifest, settings, already, prompts, ref, 
 
         def _record_group(group, outcome) -> None:
             g = manifest.data.groups.setdefault(group.id, {})
-            g.update(load_s=outcome.load_seconds, attempts=outcome.attempts)
+            # A group run again by a resumed run keeps the earlier invocations' loads: the matrix's
+            # wall time sums every invocation's too.
+            g.update(load_s=[*g.get("load_s", []), *outcome.load_seconds],
+                     attempts=g.get("attempts", 0) + outcome.attempts)
             if plan.matrix.device == "cuda" and group.tp > 1 and outcome.logs:
                 g["nccl_observed"] = group_observation(outcome.logs, group.nccl_env)
                 for warning in g["nccl_observed"]["warnings"]:
