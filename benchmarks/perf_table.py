@@ -79,12 +79,14 @@ def rows() -> list[list[str]]:
 
 
 def vllm_peers(engine_row: dict, vllm_rows: list[dict]) -> list[tuple[dict, str]]:
-    """Plain stock vLLM on the engine row's GPU and TP: the latest row with vLLM's own batching,
-    and the latest with max_num_seqs capped at the engine's batch size; rows measured in the
-    engine row's own call (the same `evidence`) first."""
+    """Plain stock vLLM measured in the engine row's own call (the same `evidence`) on its GPU and
+    TP: the latest row with vLLM's own batching and the latest with max_num_seqs capped at the
+    engine's batch size. vLLM's tokens/s moves a lot from call to call, so a ratio against
+    another call's vLLM would say little; such engine rows get no vLLM row."""
+    if not engine_row.get("evidence"):
+        return []
     rows = [v for v in vllm_rows if v["kernels"] == "stock" and v["tp"] == engine_row["tp"]
-            and v["device"].split("x ", 1)[-1] == engine_row["device"]]
-    rows.sort(key=lambda v: bool(engine_row.get("evidence")) and v.get("evidence") == engine_row["evidence"])
+            and v["device"].split("x ", 1)[-1] == engine_row["device"] and v.get("evidence") == engine_row["evidence"]]
     own = [v for v in rows if not v.get("vllm_args")]
     capped = [v for v in rows if (v.get("vllm_args") or {}) == {"max_num_seqs": engine_row["batch"]}]
     return ([(own[-1], "its own batching")] if own else []) + \

@@ -31,14 +31,16 @@ def test_every_measured_row_reaches_the_table_with_its_ratio_and_command():
             assert any(row[2].startswith(f"{ratio:.3f}x") and row[3] == r["device"] and row[4] == r["command"]
                        for row in rows), (ratio, r["command"])
         expected += len(ratios)
-    # The engine at batch 32 on vLLM's workload against plain stock vLLM on the same GPU and TP.
-    # With vLLM's own batching and with vLLM capped at the engine's batch size, each the latest.
+    # The engine at batch 32 on vLLM's workload against plain stock vLLM on the same GPU and TP,
+    # measured in the same call (the same evidence): with vLLM's own batching and with vLLM capped
+    # at the engine's batch size, each the latest; no row against another call's vLLM.
     engine = json.loads(files[0].read_text())
     vllm = [v for v in json.loads(files[1].read_text()) if v["kernels"] == "stock"]
     for r in engine:
         if r["mode"] != "generate" or r["batch"] != 32 or not r.get("workload", "").startswith("random"):
             continue
-        same = [v for v in vllm if v["device"].split("x ", 1)[-1] == r["device"] and v["tp"] == r["tp"]]
+        same = [v for v in vllm if v["device"].split("x ", 1)[-1] == r["device"] and v["tp"] == r["tp"]
+                and r.get("evidence") and v.get("evidence") == r["evidence"]]
         for want in ({}, {"max_num_seqs": 32}):
             peers = [v for v in same if (v.get("vllm_args") or {}) == want]
             if peers:
