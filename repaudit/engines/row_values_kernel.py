@@ -164,6 +164,11 @@ def digest_parts(n: int, vocab: int, device: torch.device) -> torch.Tensor:
     return torch.empty((n, triton.cdiv(vocab, SEGMENT)), dtype=torch.int64, device=device)
 
 
+def _check_parts(parts: torch.Tensor, n: int, vocab: int) -> None:
+    if parts.shape != (n, triton.cdiv(vocab, SEGMENT)) or not parts.is_contiguous():
+        raise ValueError(f"digest partials of shape {tuple(parts.shape)} for {n} rows of {vocab}")
+
+
 def widen_gpu(raw: torch.Tensor, out: torch.Tensor, parts: torch.Tensor) -> None:
     """out <- raw [n, V] (bf16 or fp16) as fp32, the bits of raw.float(); parts (digest_parts)
     <- the digest's partial sums of out's rows, taken in the same pass."""
@@ -172,8 +177,7 @@ def widen_gpu(raw: torch.Tensor, out: torch.Tensor, parts: torch.Tensor) -> None
         raw = raw.contiguous()
     if out.stride(-1) != 1 or out.shape != raw.shape or out.dtype != torch.float32:
         raise ValueError(f"widen_gpu writes a row-major fp32 [{n}, {vocab}], got {out.dtype} {tuple(out.shape)}")
-    if parts.shape != (n, triton.cdiv(vocab, SEGMENT)) or not parts.is_contiguous():
-        raise ValueError(f"digest partials of shape {tuple(parts.shape)} for {n} rows of {vocab}")
+    _check_parts(parts, n, vocab)
     if n:
         _widens((triton.cdiv(n, WIDEN_ROWS), parts.shape[1]),
                 (raw, raw.stride(0), out, out.stride(0), n, vocab, BASE, parts),
@@ -200,8 +204,8 @@ def row_values_gpu(logits: torch.Tensor, lp: torch.Tensor, targets: torch.Tensor
     digest = parts is None
     if digest:
         parts = digest_parts(n, vocab, dev)
-    elif parts.shape != (n, n_seg) or not parts.is_contiguous():
-        raise ValueError(f"digest partials of shape {tuple(parts.shape)} for {n} rows of {vocab}")
+    else:
+        _check_parts(parts, n, vocab)
     tops = torch.empty((n, n_seg), dtype=torch.int32, device=dev)
     lp_bits = lp.view(torch.int32)
     _segments((n, n_seg), (lp_bits, logits.view(view), lp.stride(0), logits.stride(0), vocab, 0, BASE, mask,
