@@ -611,6 +611,26 @@ def test_verdict_thresholds():
     assert verdict(nan, Thresholds(max_ulp=10**9))[0] is False  # NaN vs number is never tolerated
 
 
+def test_thresholds_given_as_numpy_scalars(tmp_path):
+    """Thresholds computed with numpy (np.float64, np.int64) decide, print and serialise exactly like
+    Python numbers: no crash in the exact seq-divergence check, no "np.float64(...)" in the text."""
+    from repaudit.compare.gate import threshold_args
+
+    th = Thresholds(max_ulp=np.int64(2), max_abs=np.float64(0.4999), max_seq_divergence=np.float64(0.5))
+    assert threshold_args(th) == ["--max-ulp", "2", "--max-abs", "0.4999", "--max-seq-divergence", "0.5"]
+    r = _result(comparable=10, bitwise_equal=9, ulp_max=3, abs_max=0.5)
+    assert verdict(r, th) == (False, ["max ULP 3 > 2", "max |Δ logprob| 0.5 > 0.4999"])
+    json.dumps(vars(th), allow_nan=False)  # np.int64 is not JSON
+    side = dict(probes={"name": "p", "sha256": "0"}, model={"id": "m"}, tokenizer={"name": "t", "sha256": "1"}, env={})
+    for name, tokens in (("a", [5, 5]), ("b", [5, 6])):
+        records.write_record(tmp_path / f"{name}.parquet", prompt_id=["p", "q"], pos=[1, 1], token_id=tokens,
+                             logprob=np.float32([-1, -1]), cell={"id": name}, **side)
+    res = diff_records(tmp_path / "a.parquet", tmp_path / "b.parquet", thresholds=th)
+    assert res.passed  # 1 of 2 sequences forked: within 0.5
+    with pytest.raises(ValueError, match="whole number"):
+        Thresholds(max_ulp=2.5)
+
+
 def test_a_record_without_a_phase_list_is_read_with_its_phase_column(tmp_path):
     """Records written before `repaudit.phases` existed: the diff reads their phase column, so a
     score record's prompt rows are still exempt and a generate record's missing rows are not."""

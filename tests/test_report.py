@@ -119,6 +119,17 @@ def test_log_ratio_bins_are_signed_decades():
     assert log_ratio_position(0.0) == RATIO_CENTER + 0.5
 
 
+def test_log_ratio_decades_are_those_of_the_printed_value():
+    """Every decade edge is the double its decimal literal reads as: 9.999999999999999e-06 (the double
+    just below 1e-05, and what 10.0 ** -5 gives) is in [1e-6, 1e-5), 1e-05 in [1e-5, 1e-4), on both
+    sides of zero. That d comes out of two float32 logprobs: -1e-05 against +2.5262125e-13."""
+    below = float(np.float32(2.5262125e-13)) - float(np.float32(-1e-05))
+    assert repr(below) == "9.999999999999999e-06"
+    for d, decade in ((below, 4), (1e-05, 5), (np.nextafter(1e-07, 0), 2), (1e-07, 3), (1e-06, 4)):
+        assert (log_ratio_bin(np.array([d, -d])) - RATIO_CENTER).tolist() == [decade, -decade], d
+    assert log_ratio_labels()[RATIO_CENTER + 4] == "+1e-6" and log_ratio_labels()[RATIO_CENTER + 5] == "+1e-5"
+
+
 def test_first_divergence_in_context(tmp_path):
     a = record(tmp_path / "a.parquet", "a")
     b = record(tmp_path / "b.parquet", "b", tokens={("p1", 3): 90, ("p1", 4): 91}, bits={("p1", 3): BASE + 77, ("p0", 2): BASE + 2 + 5})

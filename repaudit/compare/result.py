@@ -22,6 +22,19 @@ class Thresholds:
     max_abs: float | None = None
     max_seq_divergence: float = 0.0
 
+    def __post_init__(self) -> None:
+        # Plain Python numbers: a numpy scalar (np.float64(0.5), as thresholds computed with numpy
+        # are) reprs as "np.float64(0.5)", which broke the exact seq-divergence comparison, the
+        # reasons' text and the reproduce command, and np.int64 is not JSON.
+        if self.max_ulp is not None:
+            ulp = int(self.max_ulp)
+            if ulp != self.max_ulp:
+                raise ValueError(f"max_ulp must be a whole number, got {self.max_ulp!r}")
+            object.__setattr__(self, "max_ulp", ulp)
+        if self.max_abs is not None:
+            object.__setattr__(self, "max_abs", float(self.max_abs))
+        object.__setattr__(self, "max_seq_divergence", float(self.max_seq_divergence))
+
     @property
     def strict(self) -> bool:
         return self.max_ulp is None and self.max_abs is None

@@ -96,7 +96,10 @@ def ulp_histogram(r: DiffResult, a: RecordArrays, b: RecordArrays) -> UlpHistogr
 # ------------------------------------------------------------------------------ RL log-ratio histogram
 
 
-RATIO_EDGES = 10.0 ** np.arange(-8, 2)  # |d| decades: below 1e-8, [1e-8, 1e-7), ..., [1, 10), 10 and above
+# |d| decades: below 1e-8, [1e-8, 1e-7), ..., [1, 10), 10 and above. The edges are the doubles the
+# decimal literals read as (10.0 ** -5 is 9.999999999999999e-06, one double short of 1e-05), so a d
+# falls in the decade its printed value names.
+RATIO_EDGES = np.array([float(f"1e{k}") for k in range(-8, 2)])
 RATIO_CENTER = len(RATIO_EDGES) + 1  # the bin of d = 0; |d| of decade m sits m + 1 bins to its left or right
 
 
