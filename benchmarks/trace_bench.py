@@ -44,6 +44,8 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="then print cProfile's most expensive calls of one traced cell per mode")
     ap.add_argument("--gpu-profile", help="then write torch.profiler's kernel table of one traced and one untraced "
                     "cell per mode to this file")
+    ap.add_argument("--ablate", action="store_true", help="then time traced cells with parts of the trace left out "
+                    "(hooks that return at once; hooks without the digest kernel; no Tracer.finish): where the time goes")
     ap.add_argument("--json", help="merge the rows into this JSON list (rows of the same device and batch are replaced)")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -58,9 +60,13 @@ def main() -> None:
         if args.device == "cuda":
             torch.cuda.synchronize()
 
-    def cell(mode: str, traced: bool) -> tuple[float, float]:
-        """Seconds of the whole cell, and of the trace's assembly at its end (Tracer.finish)."""
+    def cell(mode: str, traced: bool, part: str = "all") -> tuple[float, float]:
+        """Seconds of the whole cell, and of the trace's assembly at its end (Tracer.finish).
+        `part` (--ablate) leaves a part of the trace out: "hooks" (hooks that return at once),
+        "no-kernel" (hooks that do all but launch the digest kernel), "no-finish"."""
         m.tracer = Tracer(m.model, 1) if traced else None
+        if part == "hooks":
+            m.tracer._record = lambda *a, **k: None
         t0 = time.perf_counter()
         run = hf.generate if mode == "generate" else hf.score
         batch_seqs = seqs if mode == "generate" else [Sequence(s.prompt_id, s.prompt, tuple(s.prompt[:8]), 0) for s in seqs]
@@ -71,7 +77,8 @@ def main() -> None:
             m.tracer.detach()
             sync()
             t1 = time.perf_counter()
-            m.tracer.finish()
+            if part == "all":
+                m.tracer.finish()
             finish_s = time.perf_counter() - t1
             m.tracer = None
         sync()
@@ -94,6 +101,8 @@ def main() -> None:
                      "command": " ".join(["python3 benchmarks/trace_bench.py", *sys.argv[1:]])})
         if args.json:  # after every mode: a run cut short keeps what it measured
             _write(Path(args.json), device, args, rows)
+    if args.ablate:
+        _ablate(cell, args.repeats)
     if args.gpu_profile:
         from torch.profiler import ProfilerActivity, profile
 
@@ -110,6 +119,31 @@ def main() -> None:
             prof.runcall(cell, mode, True)
             print(f"\n## cProfile, one traced {mode} cell (tottime)")
             pstats.Stats(prof, stream=sys.stdout).sort_stats("tottime").print_stats(30)
+
+
+def _ablate(cell, repeats: int) -> None:
+    from repaudit.record import digest_kernel
+
+    real = digest_kernel.digest_rows
+
+    def no_kernel(x, rows=None, offset=0, pick=None, owned=None):
+        n = x.shape[0] if rows is None else rows.numel()
+        return (torch.empty(n, dtype=torch.int64, device=x.device),
+                torch.empty((n, 0 if pick is None else pick.numel()), dtype=torch.int32, device=x.device))
+
+    print("\n| mode | untraced s | hooks that return | hooks without the kernel | all but finish | traced s |")
+    print("|---|---|---|---|---|---|")
+    for mode in ("score", "generate"):
+        times = {}
+        for name, traced, part in (("untraced", False, "all"), ("hooks", True, "hooks"), ("no-kernel", True, "no-kernel"),
+                                   ("no-finish", True, "no-finish"), ("traced", True, "all")):
+            digest_kernel.digest_rows = no_kernel if part == "no-kernel" else real
+            try:
+                cell(mode, traced, part)
+                times[name] = statistics.median(cell(mode, traced, part)[0] for _ in range(repeats))
+            finally:
+                digest_kernel.digest_rows = real
+        print(f"| {mode} | " + " | ".join(f"{t:.3f}" for t in times.values()) + " |", flush=True)
 
 
 def _write(path: Path, device: str, args, rows: list[dict]) -> None:

@@ -15,6 +15,7 @@ CASES = Path(__file__).parent / "interpreted" / "digest_kernel_cases.py"
     "test_kernel_digest_equals_torch_digest",
     "test_kernel_reads_only_the_rows_asked_for_and_shard_offsets_add_up",
     "test_kernel_samples_are_the_bits_of_the_picked_features",
+    "test_rows_taken_four_to_a_program_give_the_same_bits",
     "test_one_flipped_bit_changes_the_kernel_digest",
 ])
 def test_digest_kernel_under_the_interpreter(case, interpreted_case):
@@ -40,7 +41,7 @@ def test_gpu_digests_and_samples_are_the_torch_ones(dtype):
     rows, pick, owned = torch.tensor([7, 2, 2, 0]), torch.tensor([0, 3, 999, 1499]), torch.tensor([1, 1, 0, 1])
     bits = {torch.float32: (torch.int32, 0xFFFFFFFF)}.get(x.dtype, (torch.int16, 0xFFFF))
     want_samples = ((x[rows][:, pick].view(bits[0]).to(torch.int64) & bits[1]) * owned).to(torch.int32)
-    for _ in range(2):
-        got, samples = digest_rows(x.cuda(), rows.cuda(), 300, pick.cuda(), owned.cuda())
+    for per_program in (None, None, 4):  # the second call takes the cached handle
+        got, samples = digest_rows(x.cuda(), rows.cuda(), 300, pick.cuda(), owned.cuda(), per_program)
         assert torch.equal(got.cpu(), row_digest(x[rows], offset=300))
         assert torch.equal(samples.cpu(), want_samples)

@@ -183,11 +183,16 @@ class _FakeCudaTensor:
 
 def _fake_kernel(calls, fail_direct=False):
     class Compiled:
-        def __getitem__(self, grid):
+        function, packed_metadata = "fn", (4, 1, 0)
+
+        def run(self, *args):  # the launcher: grid, stream, function, metadata, hooks, arguments
+            if fail_direct:
+                raise IndexError("refused")
+            calls.append(("direct", args[:3], args[3:9], args[9:]))
+
+        def __getitem__(self, grid):  # Triton's runner, which a launch hook needs
             def run(*args):
-                if fail_direct:
-                    raise IndexError("refused")
-                calls.append(("direct", grid, args))
+                calls.append(("runner", grid, args))
             return run
 
     class Fn:
@@ -202,25 +207,47 @@ def _fake_kernel(calls, fail_direct=False):
     return Fn()
 
 
-def test_cached_kernel_replays_tritons_final_call():
-    from tbik.tl.launcher import CachedKernel
+def test_cached_kernel_replays_tritons_final_call(monkeypatch):
+    from tbik.tl import launcher
 
+    monkeypatch.setattr(launcher, "_current_stream", lambda: 77)
     calls = []
-    launch = CachedKernel(_fake_kernel(calls))
+    launch = launcher.CachedKernel(_fake_kernel(calls))
     x, meta = _FakeCudaTensor(), dict(BLOCK=64, FLAG=True, num_warps=4)
     for grid, n in (((5,), 7), ((5,), 7), ((6, 2), 16), ((6, 2), 16), ((5,), 1)):
         launch(grid, (x, n), meta)
     kinds = [c[0] for c in calls]
     assert kinds == ["triton", "direct", "triton", "direct", "triton"]  # n=16 and n=1 specialize anew
-    assert calls[1] == ("direct", (5, 1, 1), (x, 7, 64, True))  # 3-D grid, constexprs in signature order
-    assert calls[3] == ("direct", (6, 2, 1), (x, 16, 64, True))
+    # 3-D grid; the stream, handle and metadata, no launch metadata or hooks; constexprs in signature order
+    assert calls[1] == ("direct", (5, 1, 1), (77, "fn", (4, 1, 0), None, None, None), (x, 7, 64, True))
+    assert calls[3] == ("direct", (6, 2, 1), (77, "fn", (4, 1, 0), None, None, None), (x, 16, 64, True))
 
 
-def test_cached_kernel_falls_back_to_triton_when_refused():
-    from tbik.tl.launcher import CachedKernel
+def test_cached_kernel_leaves_launch_hooks_to_tritons_runner(monkeypatch):
+    """With a launch hook installed (a profiler's), the launch goes through the handle's runner,
+    which builds the metadata the hook is called with."""
+    from triton import knobs
 
+    from tbik.tl import launcher
+
+    monkeypatch.setattr(launcher, "_current_stream", lambda: 77)
+    hook = type(knobs.runtime.launch_enter_hook)()
+    hook.add(lambda metadata: None)
+    monkeypatch.setattr(knobs.runtime, "launch_enter_hook", hook)
     calls = []
-    launch = CachedKernel(_fake_kernel(calls, fail_direct=True))
+    launch = launcher.CachedKernel(_fake_kernel(calls))
+    x, meta = _FakeCudaTensor(), dict(BLOCK=64, FLAG=True, num_warps=4)
+    launch((5,), (x, 7), meta)
+    launch((5,), (x, 7), meta)
+    assert calls[1] == ("runner", (5, 1, 1), (x, 7, 64, True))
+
+
+def test_cached_kernel_falls_back_to_triton_when_refused(monkeypatch):
+    from tbik.tl import launcher
+
+    monkeypatch.setattr(launcher, "_current_stream", lambda: 77)
+    calls = []
+    launch = launcher.CachedKernel(_fake_kernel(calls, fail_direct=True))
     x, meta = _FakeCudaTensor(), dict(BLOCK=64, FLAG=True, num_warps=4)
     launch((5,), (x, 7), meta)
     with pytest.warns(UserWarning, match="direct launch"):

@@ -10,6 +10,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
@@ -420,3 +421,24 @@ def test_the_row_index_made_on_a_device_is_the_hosts():
     # Module "b": its two calls in the first prefill, then the steps' live rows, then the second prefill.
     b = host[rows.counts[0]:rows.counts[0] + rows.counts[1]].tolist()
     assert b == [*range(5, 15), 23, 25, *range(43, 53), 62]
+
+
+@pytest.mark.gpu
+def test_copies_off_the_device_keep_every_byte_on_a_gpu():
+    """to_host's staged copy: several staging pieces and a ragged last one, twice in a row
+    (the staging buffers are reused), an empty tensor, and a 2-D one keeps its shape."""
+    import torch
+
+    from repaudit.run.tracerows import to_host
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    g = torch.Generator(device="cuda").manual_seed(3)
+    for n in (9_000_011, 9_000_011, 0):
+        t = torch.randint(-2**62, 2**62, (n,), generator=g, device="cuda", dtype=torch.int64)
+        got = to_host(t)
+        assert got.dtype == np.int64 and np.array_equal(got, t.cpu().numpy())
+        del got
+    t = torch.randint(0, 2**31 - 1, (1_000_003, 8), generator=g, device="cuda", dtype=torch.int32)
+    got = to_host(t)
+    assert got.shape == (1_000_003, 8) and np.array_equal(got, t.cpu().numpy())

@@ -3,8 +3,8 @@
 The torch version builds the digest from about a dozen int64 element-wise kernels; under
 `--trace` that runs for every module at every forward, and on a GPU the launches, not the
 arithmetic, were the cost (9-13x the untraced run time on H200). Here one program hashes one
-row: it reads the row's bits once, makes the per-feature keys in registers and sums in uint64,
-which wraps mod 2^64 exactly as the torch and NumPy versions do, so all three give the same bits
+row or a few: it reads the rows' bits once, makes the per-feature keys in registers and sums in
+uint64, which wraps mod 2^64 exactly as the torch and NumPy versions do, so all three give the same bits
 (tests/test_digest_kernel.py). It can also pick the few sampled features the tracer keeps, in
 the same launch, and reads only the rows asked for, so the caller never gathers them first.
 """
@@ -32,24 +32,30 @@ def mix(z):
 
 
 @triton.jit
-def _digest_rows_kernel(x_ptr, rows_ptr, stride, n_feat, offset, base, mask,
+def _digest_rows_kernel(x_ptr, rows_ptr, n_rows, stride, n_feat, offset, base, mask,
                         pick_ptr, owned_ptr, digest_ptr, sample_ptr,
-                        BLOCK: tl.constexpr, SAMPLES: tl.constexpr):
-    r = tl.program_id(0)
-    row_ptr = x_ptr + tl.load(rows_ptr + r).to(tl.int64) * stride
-    acc = tl.zeros([BLOCK], dtype=tl.uint64)
+                        ROWS: tl.constexpr, BLOCK: tl.constexpr, SAMPLES: tl.constexpr):
+    # ROWS rows a program: a feature's key (half of the integer work, which bounds this kernel)
+    # is made once for all of them. The sums are mod 2^64, so no grouping changes a bit.
+    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    here = r < n_rows
+    row_ptr = x_ptr + tl.load(rows_ptr + r, mask=here, other=0).to(tl.int64) * stride  # [ROWS]
+    acc = tl.zeros([ROWS, BLOCK], dtype=tl.uint64)
     for start in range(0, n_feat, BLOCK):
         i = start + tl.arange(0, BLOCK)
         live = i < n_feat
-        # Loaded through an integer view of the row: the bits are the value, no float is formed.
-        bits = (tl.load(row_ptr + i, mask=live, other=0).to(tl.int64) & mask).to(tl.uint64)
         key = mix((i + offset).to(tl.uint64) + base)
-        acc += tl.where(live, mix(bits ^ key), 0)
-    tl.store(digest_ptr + r, tl.sum(acc, axis=0).to(tl.int64, bitcast=True))
+        # Loaded through an integer view of the row: the bits are the value, no float is formed.
+        bits = (tl.load(row_ptr[:, None] + i[None, :], mask=here[:, None] & live[None, :], other=0).to(tl.int64)
+                & mask).to(tl.uint64)
+        acc += tl.where(live[None, :], mix(bits ^ key[None, :]), 0)
+    tl.store(digest_ptr + r, tl.sum(acc, axis=1).to(tl.int64, bitcast=True), mask=here)
     if SAMPLES > 0:
         s = tl.arange(0, SAMPLES)
-        picked = tl.load(row_ptr + tl.load(pick_ptr + s)).to(tl.int64) & mask
-        tl.store(sample_ptr + r * SAMPLES + s, (picked * tl.load(owned_ptr + s)).to(tl.int32))
+        at = here[:, None]
+        picked = tl.load(row_ptr[:, None] + tl.load(pick_ptr + s)[None, :], mask=at, other=0).to(tl.int64) & mask
+        tl.store(sample_ptr + r[:, None] * SAMPLES + s[None, :], (picked * tl.load(owned_ptr + s)[None, :]).to(tl.int32),
+                 mask=at)
 
 
 # A traced forward launches this once per module (hundreds): Triton's own launch path binds and
@@ -58,10 +64,11 @@ _digest_rows = CachedKernel(_digest_rows_kernel)
 
 
 def digest_rows(x: torch.Tensor, rows: torch.Tensor | None = None, offset: int = 0,
-                pick: torch.Tensor | None = None, owned: torch.Tensor | None = None):
+                pick: torch.Tensor | None = None, owned: torch.Tensor | None = None, per_program: int | None = None):
     """Digests of rows `rows` of the 2-D float tensor x -> int64 [n] (uint64 bits), and, with
     `pick`/`owned`, the bits of x[rows][:, pick] * owned -> int32 [n, len(pick)] (a float32's
-    bits as they are, a 16-bit float's zero-extended)."""
+    bits as they are, a 16-bit float's zero-extended). `per_program` (1 or 4; tests) forces how
+    many rows a program takes, which never changes a bit."""
     view, mask = INT_VIEW[x.dtype]
     if x.stride(-1) != 1:
         x = x.contiguous()
@@ -72,7 +79,11 @@ def digest_rows(x: torch.Tensor, rows: torch.Tensor | None = None, offset: int =
     samples_n = 0 if pick is None else pick.numel()
     samples = torch.empty((n, samples_n), dtype=torch.int32, device=x.device)
     if n:
-        _digest_rows((n,), (x.view(view), rows, x.stride(0), x.shape[1], offset, BASE, mask,
-                            pick if samples_n else digests, owned if samples_n else digests, digests, samples),
-                     {"BLOCK": min(1024, triton.next_power_of_2(x.shape[1])), "SAMPLES": samples_n})
+        # A decode step's few rows keep a program each (more programs, less latency); a
+        # prefill's thousands share keys four rows at a time.
+        per = per_program or (4 if n >= 1024 else 1)
+        _digest_rows((triton.cdiv(n, per),), (x.view(view), rows, n, x.stride(0), x.shape[1], offset, BASE, mask,
+                                              pick if samples_n else digests, owned if samples_n else digests, digests,
+                                              samples),
+                     {"ROWS": per, "BLOCK": min(1024 // per, triton.next_power_of_2(x.shape[1])), "SAMPLES": samples_n})
     return digests, samples

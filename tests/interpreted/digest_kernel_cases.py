@@ -46,6 +46,20 @@ def test_kernel_reads_only_the_rows_asked_for_and_shard_offsets_add_up():
     assert torch.equal(left + right, got)
 
 
+def test_rows_taken_four_to_a_program_give_the_same_bits():
+    """The layout the tracer uses for a prefill's thousands of rows, forced onto a few: a row
+    count that is not a multiple of four, rows out of order and repeated, a shard offset."""
+    x = _rows(torch.bfloat16, n=9, f=700)
+    rows = torch.tensor([7, 2, 2, 0, 8, 5, 1])
+    pick = torch.tensor([0, 3, 50, 699, 7, 8, 9, 10])
+    owned = torch.tensor([1, 1, 0, 1, 1, 1, 1, 1])
+    one = digest_rows(x, rows, 300, pick, owned, per_program=1)
+    four = digest_rows(x, rows, 300, pick, owned, per_program=4)
+    assert torch.equal(four[0], row_digest(x[rows], offset=300))
+    assert torch.equal(four[0], one[0]) and torch.equal(four[1], one[1])
+    assert torch.equal(four[1], (x[rows][:, pick].view(torch.int16).to(torch.int64) & 0xFFFF).to(torch.int32) * owned)
+
+
 def test_kernel_samples_are_the_bits_of_the_picked_features():
     x = _rows(torch.float32, n=5, f=300)
     rows = torch.tensor([4, 1])
