@@ -80,7 +80,7 @@ def one(args) -> dict:
     say("warm-up: with logprobs")
     vllm_engine.generate(llm, seqs, args.topk, stop_ids=())
     say("warm-up: cell")
-    plain, with_lp, cell, lp_outs, lp_before = [], [], [], None, None
+    plain, with_lp, cell, capture_host, lp_outs, lp_before = [], [], [], [], None, None
     for _ in range(args.runs):
         for params, runs in ((plain_params, plain), (lp_params, with_lp)):
             t0 = time.perf_counter()
@@ -91,6 +91,7 @@ def one(args) -> dict:
         t0 = time.perf_counter()
         rows, _ = vllm_engine.generate(llm, seqs, args.topk, stop_ids=())
         cell.append((time.perf_counter() - t0, sum(int((r.pos >= r.prompt_len).sum()) for r in rows)))
+        capture_host.append(llm.collective_rpc("repaudit_capture_host_s")[0])
         say(f"run: plain {plain[-1][0]:.2f}s, with logprobs {with_lp[-1][0]:.2f}s, cell {cell[-1][0]:.2f}s")
     tok_s = lambda runs: statistics.median(n / s for s, n in runs)  # noqa: E731
     lp_rows = _rows(lp_outs, seqs, args.topk)
@@ -98,6 +99,8 @@ def one(args) -> dict:
            "new_tokens": args.new, "topk": args.topk, "plain_tok_s": tok_s(plain), "repaudit_tok_s": tok_s(cell),
            "plain_logprobs_tok_s": tok_s(with_lp),
            "plain_runs_s": [s for s, _ in plain], "repaudit_runs_s": [s for s, _ in cell],
+           # rank 0's host seconds in the capture's part of the sampling steps, per cell run
+           "capture_host_s": capture_host,
            # The cell's rows against the rows of vLLM's own logprobs for the same batch: tokens
            # whose token id, logprob and top-k ids and logprobs are all the same bits.
            "cell_rows_equal_vllm_logprobs": _same_rows(rows, lp_rows)}
@@ -107,7 +110,8 @@ def one(args) -> dict:
     if json.loads(args.vllm_args):
         row["vllm_args"] = json.loads(args.vllm_args)
     if args.profile:
-        _profile(llm, requests, plain_params, args)
+        _profile(llm, lambda: llm.generate(requests, plain_params, use_tqdm=False), args, "plain")
+        _profile(llm, lambda: vllm_engine.generate(llm, seqs, args.topk, stop_ids=())[0], args, "cell")
     if args.fixture:
         _fixture(llm, prompts, args)
         _capture_fixture(llm, prompts, args)
@@ -130,12 +134,13 @@ def _kind(name: str) -> str:
     return next((kind for kind, keys in _KINDS if any(k in low for k in keys)), "other (elementwise, copies)")
 
 
-def _profile(llm, requests, params, args) -> None:
-    """One plain generation with torch.profiler in every worker: GPU time per kernel and per op
-    kind, written to --profile DIR/vllm-<kernels>-tp<N>.json and printed for rank 0."""
+def _profile(llm, run, args, label: str) -> None:
+    """One generation (`run`: a plain one or a cell's) with torch.profiler in every worker: GPU
+    time per kernel and per op kind, written to --profile DIR/vllm-<kernels>-tp<N>[-cell].json
+    and printed for rank 0."""
     llm.collective_rpc("repaudit_profile_begin")
     t0 = time.perf_counter()
-    outs = llm.generate(requests, params, use_tqdm=False)
+    outs = run()
     wall = time.perf_counter() - t0
     ranks = llm.collective_rpc("repaudit_profile_end")
     summary = []
@@ -146,14 +151,14 @@ def _profile(llm, requests, params, args) -> None:
             kinds[kind] = kinds.get(kind, 0.0) + k["us"]
         summary.append({"rank": rank, "gpu_us": sum(kinds.values()),
                         "by_kind_us": dict(sorted(kinds.items(), key=lambda kv: -kv[1])), "kernels": kernels[:60]})
-    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    out = {"kernels": args.kernels, "tp": args.tp, "device": _device_name(args.tp), "prompts": args.prompts,
+    tokens = sum(int((o.pos >= o.prompt_len).sum()) if label == "cell" else len(o.outputs[0].token_ids) for o in outs)
+    out = {"run": label, "kernels": args.kernels, "tp": args.tp, "device": _device_name(args.tp), "prompts": args.prompts,
            "new_tokens": args.new, "wall_s_profiled": wall, "tokens": tokens, "ranks": summary}
-    path = Path(args.profile) / f"vllm-{args.kernels}-tp{args.tp}.json"
+    path = Path(args.profile) / f"vllm-{args.kernels}-tp{args.tp}{'' if label == 'plain' else '-' + label}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=1))
     r0 = summary[0]
-    print(f"profile ({args.kernels}, TP={args.tp}, rank 0): {r0['gpu_us'] / 1e6:.3f} s of kernels in {wall:.3f} s", flush=True)
+    print(f"profile, {label} ({args.kernels}, TP={args.tp}, rank 0): {r0['gpu_us'] / 1e6:.3f} s of kernels in {wall:.3f} s", flush=True)
     for kind, us in r0["by_kind_us"].items():
         print(f"  {kind:32s} {us / 1e6:8.3f} s  {us / r0['gpu_us']:6.1%}", flush=True)
     for k in r0["kernels"][:15]:

@@ -114,9 +114,10 @@ def test_the_hook_asks_vllms_kernel_for_the_sampled_token_and_the_top_k_and_keep
     want = torch.log_softmax(logits, -1).gather(1, torch.tensor([[1, 1, 3], [0, 0, 1], [3, 3, 2]]))
     assert got["logprobs"][:3].view(np.uint32).tolist() == want.numpy().view(np.uint32).tolist()
     assert [c.shape for c in fake_vllm_logprob] == [(3, 3), (3, 3)]
+    assert worker.repaudit_capture_host_s() > 0  # the two steps' host time, kept past the end
     assert vllm_capture.unpack(worker.repaudit_capture_end())["code"].shape == (0,)  # end() turned the capture off and emptied it
     sampler(logits, NS(req_ids=["a", "b", "c"]))
-    assert vllm_capture._state.steps == []
+    assert vllm_capture._state.steps == [] and worker.repaudit_capture_host_s() == 0  # the last capture had no step
 
 
 def test_top1_is_the_lowest_id_of_a_tie_the_top_k_left_out(fake_vllm_logprob):

@@ -20,6 +20,7 @@ False and the cell asks vLLM for its logprobs as before (vllm_engine.generate).
 from __future__ import annotations
 
 import contextlib
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -34,9 +35,11 @@ class _Capture:
     k: int | None = None  # logprobs per row while capturing, else None
     steps: list = field(default_factory=list)  # (req_ids, ids [n, 1+k], logprobs [n, 1+k], sampled [n], top1 [n])
     broken: str | None = None
+    host_s: float = 0.0  # the host's time in the capture's part of the sampling steps
 
 
 _state = _Capture()
+_last_host_s = 0.0  # host_s of the last capture that ended (benchmarks/vllm_speed.py reads it)
 
 
 def _sampling_with_capture(call):
@@ -44,6 +47,7 @@ def _sampling_with_capture(call):
         out = call(self, logits, input_batch, *args, **kwargs)
         if _state.k is None or out.logprobs_tensors is not None:
             return out
+        t0 = time.perf_counter()
         n = len(input_batch.req_ids)
         if logits.shape[0] != n:  # several logits rows per request: a verification step
             _state.broken = f"a sampling step had {logits.shape[0]} logits rows for {n} requests"
@@ -63,6 +67,7 @@ def _sampling_with_capture(call):
             # first); the top-k's tied entries need not hold it when three or more tie at the top.
             top1 = logits.argmax(dim=-1)
         _state.steps.append((list(input_batch.req_ids), ids, lps, sampled, top1))
+        _state.host_s += time.perf_counter() - t0
         return out
 
     sample._repaudit_capture = True
@@ -107,19 +112,25 @@ class CaptureWorker:
         cls = type(sampler)
         if not getattr(cls.__call__, "_repaudit_capture", False):
             cls.__call__ = _sampling_with_capture(cls.__call__)
-        _state.k, _state.steps, _state.broken = k, [], None
+        _state.k, _state.steps, _state.broken, _state.host_s = k, [], None, 0.0
         return True
 
     def repaudit_capture_end(self) -> dict | None:
         """The captured steps (rank 0; every other rank drops its copy and answers None)."""
+        global _last_host_s
         _settle()
-        steps, broken = _state.steps, _state.broken
-        _state.k, _state.steps, _state.broken = None, [], None
+        steps, broken, _last_host_s = _state.steps, _state.broken, _state.host_s
+        _state.k, _state.steps, _state.broken, _state.host_s = None, [], None, 0.0
         if getattr(self, "rank", 0) != 0:
             return None
         if broken:
             return {"error": broken}
         return pack(steps)
+
+    def repaudit_capture_host_s(self) -> float:
+        """The host's seconds in the last capture's sampling steps (the capture's Python and
+        launches): what a cell adds to each step, where vLLM's step waits for the host."""
+        return _last_host_s
 
     def repaudit_profile_begin(self) -> None:
         """torch.profiler over this worker's CUDA kernels, CUDA-graph replays included, until
