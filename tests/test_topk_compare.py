@@ -293,6 +293,34 @@ def test_topk_lists_of_unequal_length_inside_a_record_are_refused(tmp_path, caps
     assert rc == 2 and err.count("\n") == 1 and "topk_ids and topk_logprobs lists differ in length" in err
 
 
+def test_a_null_inside_a_top_k_list_is_refused_and_a_null_list_is_none(tmp_path, capsys):
+    """docs/format.md: a null top-k list reads as an empty one (top-k not recorded there); a null
+    value inside a list is corrupt data (exit 2, one line)."""
+    a, _ = _records(tmp_path)
+    table = pq.read_table(a)
+    col = table.schema.get_field_index("topk_logprobs")
+    values = table.column(col).combine_chunks().values
+    offsets = pa.array(np.arange(13, dtype=np.int32) * 5)
+    row4 = pa.array([i == 4 for i in range(12)])
+    holed = pa.array([None] + values.to_pylist()[1:], pa.float32())
+    for name, lists, ok in (("null-list", pa.ListArray.from_arrays(offsets, values, mask=row4), True),
+                            ("null-value", pa.ListArray.from_arrays(offsets, holed), False)):
+        path = tmp_path / f"{name}.parquet"
+        ids = table.column("topk_ids").combine_chunks()
+        if ok:  # the ids' list at the same row is null too: the row holds no top-k
+            ids = pa.ListArray.from_arrays(offsets, ids.values, mask=row4)
+        pq.write_table(table.set_column(col, "topk_logprobs", lists)
+                       .set_column(table.schema.get_field_index("topk_ids"), "topk_ids", ids)
+                       .replace_schema_metadata(table.schema.metadata), path)
+        rc = cli.main(["diff", str(a), str(path), "--json", str(tmp_path / f"{name}.json")])
+        err = capsys.readouterr().err
+        if ok:
+            got = json.loads((tmp_path / f"{name}.json").read_text())["topk"]
+            assert rc == 1 and got["compared"] == 11, got  # the row without a top-k is not compared
+        else:
+            assert rc == 2 and err.count("\n") == 1 and "nulls inside the top-k lists" in err
+
+
 def test_generate_mode_compares_topk_up_to_the_fork(tmp_path):
     rows = {("x", q): dict(token=q, bits=LP, top1=1, ids=[1, 2], lps=[LP, LP + 1]) for q in range(6)}
     moved = {key: {**row, "token": row["token"] + (9 if key[1] >= 3 else 0), "ids": [1, 2 + key[1]]} for key, row in rows.items()}
