@@ -58,6 +58,8 @@ def test_rows_taken_four_to_a_program_give_the_same_bits():
     assert torch.equal(four[0], row_digest(x[rows], offset=300))
     assert torch.equal(four[0], one[0]) and torch.equal(four[1], one[1])
     assert torch.equal(four[1], (x[rows][:, pick].view(torch.int16).to(torch.int64) & 0xFFFF).to(torch.int32) * owned)
+    left = x[:, :600]  # rows 700 apart in memory: a column shard's view
+    assert torch.equal(digest_rows(left, rows, 0, per_program=4)[0], row_digest(x[rows][:, :600]))
 
 
 def test_kernel_samples_are_the_bits_of_the_picked_features():
