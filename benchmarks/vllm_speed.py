@@ -90,7 +90,7 @@ def one(args) -> dict:
                 lp_before, lp_outs = (lp_outs if with_lp[:-1] else None), outs
         t0 = time.perf_counter()
         rows, _ = vllm_engine.generate(llm, seqs, args.topk, stop_ids=())
-        cell.append((time.perf_counter() - t0, sum(int((r.pos >= r.prompt_len).sum()) for r in rows)))
+        cell.append((time.perf_counter() - t0, _generated(rows)))
         capture_host.append(llm.collective_rpc("repaudit_capture_host_s")[0])
         say(f"run: plain {plain[-1][0]:.2f}s, with logprobs {with_lp[-1][0]:.2f}s, cell {cell[-1][0]:.2f}s")
     tok_s = lambda runs: statistics.median(n / s for s, n in runs)  # noqa: E731
@@ -110,8 +110,9 @@ def one(args) -> dict:
     if json.loads(args.vllm_args):
         row["vllm_args"] = json.loads(args.vllm_args)
     if args.profile:
-        _profile(llm, lambda: llm.generate(requests, plain_params, use_tqdm=False), args, "plain")
-        _profile(llm, lambda: vllm_engine.generate(llm, seqs, args.topk, stop_ids=())[0], args, "cell")
+        _profile(llm, lambda: sum(len(o.outputs[0].token_ids) for o in llm.generate(requests, plain_params, use_tqdm=False)),
+                 args, "plain")
+        _profile(llm, lambda: _generated(vllm_engine.generate(llm, seqs, args.topk, stop_ids=())[0]), args, "cell")
     if args.fixture:
         _fixture(llm, prompts, args)
         _capture_fixture(llm, prompts, args)
@@ -134,13 +135,18 @@ def _kind(name: str) -> str:
     return next((kind for kind, keys in _KINDS if any(k in low for k in keys)), "other (elementwise, copies)")
 
 
+def _generated(rows) -> int:
+    """A cell's generated tokens: its rows past each prompt."""
+    return sum(int((r.pos >= r.prompt_len).sum()) for r in rows)
+
+
 def _profile(llm, run, args, label: str) -> None:
-    """One generation (`run`: a plain one or a cell's) with torch.profiler in every worker: GPU
-    time per kernel and per op kind, written to --profile DIR/vllm-<kernels>-tp<N>[-cell].json
-    and printed for rank 0."""
+    """One generation (`run`: a plain one or a cell's; it answers its generated tokens) with
+    torch.profiler in every worker: GPU time per kernel and per op kind, written to --profile
+    DIR/vllm-<kernels>-tp<N>[-cell].json and printed for rank 0."""
     llm.collective_rpc("repaudit_profile_begin")
     t0 = time.perf_counter()
-    outs = run()
+    tokens = run()
     wall = time.perf_counter() - t0
     ranks = llm.collective_rpc("repaudit_profile_end")
     summary = []
@@ -151,7 +157,6 @@ def _profile(llm, run, args, label: str) -> None:
             kinds[kind] = kinds.get(kind, 0.0) + k["us"]
         summary.append({"rank": rank, "gpu_us": sum(kinds.values()),
                         "by_kind_us": dict(sorted(kinds.items(), key=lambda kv: -kv[1])), "kernels": kernels[:60]})
-    tokens = sum(int((o.pos >= o.prompt_len).sum()) if label == "cell" else len(o.outputs[0].token_ids) for o in outs)
     out = {"run": label, "kernels": args.kernels, "tp": args.tp, "device": _device_name(args.tp), "prompts": args.prompts,
            "new_tokens": args.new, "wall_s_profiled": wall, "tokens": tokens, "ranks": summary}
     path = Path(args.profile) / f"vllm-{args.kernels}-tp{args.tp}{'' if label == 'plain' else '-' + label}.json"
