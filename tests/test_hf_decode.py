@@ -306,9 +306,12 @@ def test_graph_replays_are_the_eager_static_steps_bit_for_bit(mode):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_traced_graph_replays_are_the_eager_static_steps_trace_bit_for_bit():
-    """--trace on a GPU: the step captured with the tracer's digest kernels gives the records
-    and the trace of eager static steps, bit for bit, without falling back to eager steps."""
+@pytest.mark.parametrize("mode", ["stock", "tbik"])
+def test_traced_graph_replays_are_the_eager_static_steps_trace_bit_for_bit(mode):
+    """--trace on a GPU: the step captured with the tracer's digests (held and launched together)
+    gives the records and the trace of eager static steps, bit for bit, without falling back to
+    eager steps. Stock too: its step's allocations differ, and a digest table allocated inside
+    the capture was once overwritten there by the step's own kernels at every replay."""
     from repaudit.run.trace import Tracer
 
     path = builtin.ensure("builtin:qwen3-0.6b")
@@ -318,7 +321,7 @@ def test_traced_graph_replays_are_the_eager_static_steps_trace_bit_for_bit():
         hfm.tracer = Tracer(hfm.model, 1)
         with warnings.catch_warnings():
             warnings.simplefilter("error")
-            rows = _generate(hfm, decode, _batch(new=12), "tbik")
+            rows = _generate(hfm, decode, _batch(new=12), mode)
         hfm.tracer.detach()
         out[decode] = rows, hfm.tracer.finish()[0]
         hfm.tracer = None

@@ -266,45 +266,104 @@ def test_positions_after_a_differing_token_are_left_out(traced: Path, tmp_path: 
     assert r.diverged and r.after_fork == 0 and r.first_by_prompt[pid][1] == fork
 
 
-def test_a_graphs_warm_up_digests_only_outputs_in_a_new_layout():
-    """The warm-up forward before a decode graph's capture is dropped from the trace: it launches
-    no digest for an output whose module was digested before in the same layout, and does for
-    one in a layout not seen yet (its kernel must be built outside the capture)."""
-    import numpy as np
+def _mutating_model():
+    """a -> b -> c, where the parent changes a's output after b has read it through `.data` (a
+    write torch's version counter does not see, as a raw kernel's) and b's output in place with
+    a torch op (one it does see), each only while the flag for it is set."""
     import torch
 
-    from repaudit.run.trace import Tracer
-
-    class Two(torch.nn.Module):
+    class Mutating(torch.nn.Module):
         def __init__(self):
             super().__init__()
             self.a = torch.nn.Linear(4, 4)
             self.b = torch.nn.Linear(4, 6)
+            self.c = torch.nn.Linear(6, 5)
+            self.raw_write = self.torch_write = True
 
         def forward(self, x):
-            return self.b(self.a(x))
+            h = self.a(x)
+            g = self.b(h)
+            if self.raw_write:
+                h.data.add_(1)
+            if self.torch_write:
+                g.mul_(2)
+            return self.c(g)
 
         def get_output_embeddings(self):
             return None
 
-    model = Two()
+    return Mutating()
+
+
+def _decode_step(tracer):
+    import numpy as np
+    import torch
+
+    tracer.begin_step(np.array(["p", "q"], dtype=object), torch.tensor([6, 7]), torch.tensor([True, True]))
+
+
+def test_a_graphs_warm_up_finds_outputs_changed_after_their_hook_and_its_capture_digests_the_rest_together():
+    """The warm-up digests every output at its hook and again deferred: a and b, whose outputs
+    the model changes after their hooks (through a write the version counter does not see, and
+    through one it does), are named in a warning and digested at the hook from then on. The
+    capture then holds only c's output for the forward's one launch, and the packed block has
+    the digests and samples an ordinary forward gives, bit for bit."""
+    import warnings
+
+    import torch
+
+    from repaudit.run.trace import Tracer
+
+    torch.manual_seed(0)
+    model = _mutating_model()
+    tracer = Tracer(model, tp=1)
+    x = torch.randn(2, 1, 4)
+    with torch.no_grad():
+        _decode_step(tracer)
+        model(x)
+        eager = tracer.pack(tracer.take_since(0))
+        mark = tracer.mark()
+        with warnings.catch_warnings(record=True) as caught, tracer.warming():
+            warnings.simplefilter("always")
+            model(x)
+        assert [str(w.message) for w in caught] == [
+            "--trace: the outputs of a, b change in place after their module returns; they are digested at the "
+            "hook, a launch each in every decode graph"]
+        assert len(tracer.take_since(mark)) == 3
+        assert [n for n, c in tracer.calls.items() if c.in_place] == ["a", "b"]
+        with tracer.capturing():
+            model(x)
+            assert [e.calls.info.name for e, _ in tracer._deferred] == ["c"]
+            captured = tracer.pack(tracer.take_since(mark))
+        assert tracer._deferred == []
+    assert torch.equal(captured.digests, eager.digests) and torch.equal(captured.samples, eager.samples)
+    tracer.end()
+
+
+def test_a_capture_that_changes_an_output_the_warm_up_did_not_is_refused():
+    """An in-place change the warm-up did not see (the step took another path) is caught at the
+    capture's launch by the version counter: the capture fails (its steps then run eagerly)."""
+    import pytest
+    import torch
+
+    from repaudit.run.trace import Tracer
+
+    model = _mutating_model()
+    model.raw_write = model.torch_write = False
     tracer = Tracer(model, tp=1)
     with torch.no_grad():
-        tracer.begin(2, 3, torch.arange(6), np.array(["p"] * 6, dtype=object), np.arange(6))
-        model(torch.randn(2, 3, 4))
-        tracer.end()
-        tracer.begin_step(np.array(["p", "q"], dtype=object), torch.tensor([6, 7]), torch.tensor([True, True]))
+        _decode_step(tracer)
         mark = tracer.mark()
         with tracer.warming():
             model(torch.randn(2, 1, 4))
-        assert tracer.take_since(mark) == []  # both seen, same layouts: nothing launched
-        model.b.weight = torch.nn.Parameter(torch.randn(12, 4))  # a new width: a new layout for b
-        model.b.bias = torch.nn.Parameter(torch.randn(12))
-        with tracer.warming():
-            model(torch.randn(2, 1, 4))
-        assert [e.calls.info.name for e in tracer.take_since(mark)] == ["b"]
-        model(torch.randn(2, 1, 4))  # outside a warm-up every call is digested
-        assert [e.calls.info.name for e in tracer.take_since(mark)] == ["a", "b"]
+        tracer.take_since(mark)
+        assert not any(c.in_place for c in tracer.calls.values())
+        model.torch_write = True
+        with pytest.raises(RuntimeError, match="output of b changed in place after its hook during the capture"):
+            with tracer.capturing():
+                model(torch.randn(2, 1, 4))
+                tracer.pack(tracer.take_since(mark))
+        assert tracer._deferred == [] and tracer._defer is None
     tracer.end()
 
 

@@ -220,8 +220,10 @@ class GraphedStep:
         # With several ranks, NCCL's watchdog thread polls events while this thread captures;
         # "thread_local" keeps its calls from invalidating the capture.
         mode = "thread_local" if dist.is_initialized() and dist.get_world_size() > 1 else "global"
+        # The tracer's exit comes after the graph's: it fills in what its launches read (Tracer.capturing).
+        capturing = self.tracer.capturing() if self.tracer is not None else contextlib.nullcontext()
         try:
-            with torch.cuda.graph(graph, capture_error_mode=mode):
+            with capturing, torch.cuda.graph(graph, capture_error_mode=mode):
                 self.outputs = self.forward(*self.inputs)
                 if mark is not None:  # packed inside the graph: a replay's trace is then a few copies
                     self.traced = self.tracer.pack(self.tracer.take_since(mark))

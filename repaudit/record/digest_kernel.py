@@ -7,10 +7,15 @@ row or a few: it reads the rows' bits once, makes the per-feature keys in regist
 uint64, which wraps mod 2^64 exactly as the torch and NumPy versions do, so all three give the same bits
 (tests/test_digest_kernel.py). It can also pick the few sampled features the tracer keeps, in
 the same launch, and reads only the rows asked for, so the caller never gathers them first.
+
+digest_many does the same for many tensors in one launch, from a table of their addresses: a
+traced decode step's hundreds of outputs of a few rows each, where one launch a tensor cost
+more than the hashing.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -87,3 +92,87 @@ def digest_rows(x: torch.Tensor, rows: torch.Tensor | None = None, offset: int =
                                               samples),
                      {"ROWS": per, "BLOCK": min(1024 // per, triton.next_power_of_2(x.shape[1])), "SAMPLES": samples_n})
     return digests, samples
+
+
+MAX_ROWS = 65535
+_TABLE_BLOCK = 1024  # fixed, so that every table of a dtype takes the one binary built before a capture
+
+
+@triton.jit
+def _digest_table_kernel(table_ptr, rows_ptr, n_rows, base, mask, digest_ptr, sample_ptr,
+                         WIDE: tl.constexpr, BLOCK: tl.constexpr, SAMPLES: tl.constexpr):
+    # One program: one row of one tensor of the table; the arithmetic of _digest_rows_kernel.
+    # A table row, six int64: the tensor's address, its row stride and feature count (elements),
+    # the global index of its first feature, and the addresses of its pick and owned vectors.
+    e = tl.program_id(0)
+    r = tl.program_id(1)
+    entry = table_ptr + e * 6
+    if WIDE:
+        x_ptr = tl.load(entry).to(tl.pointer_type(tl.int32))
+    else:
+        x_ptr = tl.load(entry).to(tl.pointer_type(tl.int16))
+    stride = tl.load(entry + 1)
+    n_feat = tl.load(entry + 2)
+    offset = tl.load(entry + 3)
+    row_ptr = x_ptr + tl.load(rows_ptr + r).to(tl.int64) * stride
+    acc = tl.zeros([BLOCK], dtype=tl.uint64)
+    for start in range(0, n_feat, BLOCK):
+        i = start + tl.arange(0, BLOCK)
+        live = i < n_feat
+        key = mix((i + offset).to(tl.uint64) + base)
+        bits = (tl.load(row_ptr + i, mask=live, other=0).to(tl.int64) & mask).to(tl.uint64)
+        acc += tl.where(live, mix(bits ^ key), 0)
+    out = e.to(tl.int64) * n_rows + r
+    tl.store(digest_ptr + out, tl.sum(acc, axis=0).to(tl.int64, bitcast=True))
+    if SAMPLES > 0:
+        s = tl.arange(0, SAMPLES)
+        pick = tl.load(entry + 4).to(tl.pointer_type(tl.int64))
+        owned = tl.load(entry + 5).to(tl.pointer_type(tl.int64))
+        picked = tl.load(row_ptr + tl.load(pick + s)).to(tl.int64) & mask
+        tl.store(sample_ptr + out * SAMPLES + s, (picked * tl.load(owned + s)).to(tl.int32))
+
+
+_digest_table = CachedKernel(_digest_table_kernel)
+
+
+def digest_many(xs: list[torch.Tensor], rows: torch.Tensor, offsets: list[int], picks: list[torch.Tensor],
+                owneds: list[torch.Tensor], table_for=None):
+    """digest_rows(x, rows, offset, pick, owned) for every x of `xs` (2-D, unit feature stride,
+    any dtype digest_rows takes), one launch per element width. Returns the per-tensor answers
+    (views into one output per width) and the device tables, which the caller keeps as long as
+    a graph that replays the launch lives.
+
+    The tables hold addresses, so a launch reads its tensors wherever they are, as long as they
+    are not freed or rewritten before it runs. `table_for(host)` gives the device tensor that
+    will hold a host table (int64 [tensors, 6]) when the launch runs; by default a copy made
+    now. Inside a CUDA graph capture a host-to-device copy cannot be captured, and a table
+    allocated in the capture would share memory the graph's earlier kernels write on every
+    replay: the caller then hands out space allocated before the capture and fills it after.
+    """
+    n = rows.numel()
+    if n > MAX_ROWS:
+        raise ValueError(f"digest_many takes at most {MAX_ROWS} rows (the grid's second axis), got {n}")
+    device = rows.device
+    answers: list = [None] * len(xs)
+    tables = []
+    samples_n = picks[0].numel() if picks else 0
+    for wide in (False, True):
+        idx = [i for i, x in enumerate(xs) if (x.element_size() == 4) == wide]
+        if not idx:
+            continue
+        for i in idx:
+            if xs[i].dim() != 2 or xs[i].stride(1) != 1 or xs[i].dtype not in INT_VIEW:
+                raise ValueError(f"digest_many takes 2-D float rows with unit feature stride, got {xs[i].dtype} "
+                                 f"{tuple(xs[i].shape)} strides {xs[i].stride()}")
+        host = torch.from_numpy(np.array([[xs[i].data_ptr(), xs[i].stride(0), xs[i].shape[1], offsets[i],
+                                            picks[i].data_ptr(), owneds[i].data_ptr()] for i in idx], dtype=np.int64))
+        table = host.to(device) if table_for is None else table_for(host)
+        tables.append(table)
+        digests = torch.empty((len(idx), n), dtype=torch.int64, device=device)
+        samples = torch.empty((len(idx), n, samples_n), dtype=torch.int32, device=device)
+        if n:
+            _digest_table((len(idx), n), (table, rows, n, BASE, INT_VIEW[xs[idx[0]].dtype][1], digests, samples),
+                          {"WIDE": wide, "BLOCK": _TABLE_BLOCK, "SAMPLES": samples_n})
+        for j, i in enumerate(idx):
+            answers[i] = (digests[j], samples[j])
+    return answers, tables

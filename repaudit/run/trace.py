@@ -20,6 +20,15 @@ graph: the graph holds the hooks' kernels and packs their outputs into one block
 take_since / pack at the capture), and after each replay the tracer keeps a copy of the block
 (replay). Every forward ends as one such block; tracerows.py puts their rows in the table's order.
 
+Inside a capture (capturing()) a hook only holds its output; the forward's outputs are digested
+together, one launch per element width (digest_many), where one launch an output cost more than
+its few rows' hashing. That reads an output after its module returned, so one changed in place
+later in the step would be digested changed: the graph's warm-up forward (warming()) digests
+every output at its hook and deferred, and a module whose two digests differ, or whose output's
+version counter moved, is digested at its hook from then on (with a warning). The capture runs
+the warm-up's code (no host branch on the device's values); where outputs have a version
+counter (not under inference mode) a change the warm-up did not see fails the capture.
+
 A mixture-of-experts layer's fused experts module is called with the router's choice
 (hidden, top_k_index, top_k_weights), whatever router made it: its pre-hook records, per real
 token, the chosen expert ids sorted ascending (the set, not the router's ranking) as the row
@@ -29,8 +38,8 @@ token, the chosen expert ids sorted ascending (the set, not the router's ranking
 from __future__ import annotations
 
 import contextlib
+import warnings
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Any
 
 import numpy as np
@@ -39,14 +48,11 @@ import torch
 import torch.distributed as dist
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from ..record.digest import row_digest
 from ..record.tracefile import SAMPLES, SCHEMA, ModuleInfo
 from .experts import is_experts
+from .tplayouts import sharded_output
+from .tracedigests import BITS, MAX_HELD_BYTES, MAX_HELD_ROWS, Held, digest_held, digest_now, version
 from .tracerows import Block, Layout, Rows, experts_column, kept_rows, to_host
-
-_BITS = {torch.float32: (torch.int32, 0xFFFFFFFF, "float32"), torch.bfloat16: (torch.int16, 0xFFFF, "bfloat16"),
-         torch.float16: (torch.int16, 0xFFFF, "float16")}
-
 
 @dataclass
 class _Calls:
@@ -54,7 +60,7 @@ class _Calls:
     info: ModuleInfo
     pick: torch.Tensor | None = None  # local column of each sampled feature
     owned: torch.Tensor | None = None  # which sampled features this rank holds
-    layout: tuple | None = None  # of the last output digested: what the digest kernel was built for
+    in_place: bool = False  # its output is changed after the hook: never deferred
 
 
 @dataclass
@@ -83,7 +89,13 @@ class Tracer:
         self._pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._all_rows: dict[tuple[int, torch.device], torch.Tensor] = {}
         self._ctx: tuple[tuple[int, int], torch.Tensor] | None = None
-        self._warming = False
+        self._defer: str | None = None  # "warming" or "capturing" while a decode graph is made
+        self._deferred: list[tuple[_Entry, Held]] = []
+        self._held = 0  # bytes of the outputs in _deferred
+        self._tables: list[torch.Tensor] = []  # digest_many's tables of the forward being captured
+        self._unfilled: list[tuple[torch.Tensor, torch.Tensor]] = []  # (device, host) to copy after it
+        self._table_for = None  # capturing: digest_many's table_for
+        self._warmed: tuple[int, torch.device | None] = (0, None)  # the warm-up's held outputs, and their device
         # Storages of this forward's sharded outputs. A weak reference keeps a storage's identity
         # unique while it lives on, so freed memory handed to a new tensor is never taken for a shard.
         self._shards: set[StorageWeakRef] = set()
@@ -135,15 +147,46 @@ class Tracer:
     # ------------------------------------------------------------------ CUDA graphs
     @contextlib.contextmanager
     def warming(self):
-        """A graph's warm-up forward, whose calls are dropped: a hook digests nothing where the
-        module's output was digested before in the same layout (dtype, strides, alignment), so
-        the kernel is built and loaded already; only a new layout is digested, to build it
-        outside the capture. Saves a digest launch per module per captured batch."""
-        self._warming = True
+        """A graph's warm-up forward, whose calls the caller drops: every output is digested at
+        its hook and again deferred, as the capture will, so the kernels are built outside the
+        capture; an output whose two digests differ was changed in place after its hook, and its
+        module is digested at the hook from then on."""
+        self._defer = "warming"
+        self._warmed = (0, None)
         try:
             yield
+            self._flush()
         finally:
-            self._warming = False
+            self._defer, self._deferred, self._held = None, [], 0
+
+    @contextlib.contextmanager
+    def capturing(self):
+        """A graph's capture: outputs are digested together at the end of the forward (pack).
+        Enter before the capture begins and exit after it has ended: the launches' tables are
+        allocated before (a table allocated inside would share memory that the graph's earlier
+        kernels write on every replay), sized by the warm-up, and filled after."""
+        count, device = self._warmed
+        space = torch.empty((count, 6), dtype=torch.int64, device=device) if count else None
+        used = 0
+
+        def table_for(host: torch.Tensor) -> torch.Tensor:
+            nonlocal used
+            if space is None or used + len(host) > len(space):
+                raise RuntimeError("--trace: the capture holds more outputs than its warm-up did")
+            table = space[used:used + len(host)]
+            used += len(host)
+            self._unfilled.append((table, host))
+            return table
+
+        self._defer, self._table_for = "capturing", table_for
+        try:
+            yield
+            for table, host in self._unfilled:
+                table.copy_(host)
+        finally:
+            self._defer, self._table_for, self._deferred, self._held = None, None, [], 0
+            self._tables.clear()
+            self._unfilled.clear()
 
     def mark(self) -> int:
         """Where the current forward's recorded calls end now."""
@@ -159,6 +202,8 @@ class Tracer:
         """The calls as one block: one tensor per column. Run inside a graph capture (on the
         capture's calls, take_since's answer), these concatenations are the graph's own kernels,
         so a replay's trace costs replay(): two or three copies, whatever the model's size."""
+        self._flush()
+        keep, self._tables = tuple(self._tables), []
         if not entries:
             return None
         rows = entries[0].digests.shape[0]
@@ -168,7 +213,7 @@ class Tracer:
         ids = [e.experts.reshape(-1) for e in entries if e.experts is not None]
         return Block(-1, Layout([e.calls for e in entries], rows, np.cumsum(width * rows) - width * rows, width),
                      torch.cat([e.digests for e in entries]), torch.cat([e.samples for e in entries]),
-                     torch.cat(ids) if ids else None)
+                     torch.cat(ids) if ids else None, keep)
 
     def replay(self, packed: Block | None) -> None:
         """Record a replayed graph's block (pack's answer at its capture) for the current
@@ -207,7 +252,7 @@ class Tracer:
         return hook
 
     def _record(self, name: str, out: Any, inputs: list[Any], routing: bool = False) -> _Entry | None:
-        if self._ctx is None or not isinstance(out, torch.Tensor) or out.dtype not in _BITS:
+        if self._ctx is None or not isinstance(out, torch.Tensor) or out.dtype not in BITS:
             return None
         (batch, length), rows = self._ctx
         # [batch, length, ...] or, as MoE layers flatten them, [batch * length, features]
@@ -226,27 +271,54 @@ class Tracer:
             self._shards.add(StorageWeakRef(out.untyped_storage()))
         local = whole.shape[1]
         offset = self.rank * local if info.sharded else 0
-        layout = (whole.dtype, whole.stride(0), whole.stride(1), whole.data_ptr() % 16, offset)
-        if self._warming and calls.layout == layout:
-            return None
-        calls.layout = layout
         if calls.pick is None:
             idx = torch.linspace(0, info.features - 1, SAMPLES, device=whole.device).round().long() - offset
             calls.owned = ((idx >= 0) & (idx < local)).long()
             calls.pick = idx.clamp(0, local - 1)
         # Features another rank owns count 0 in the samples; the all-reduce in finish() adds them in.
-        if whole.is_cuda:
-            from ..record.digest_kernel import digest_rows  # triton: imported only where a GPU runs
-
-            digests, samples = digest_rows(whole, rows, offset, calls.pick, calls.owned)
+        deferred = (self._defer is not None and not routing and not calls.in_place and rows.numel() <= MAX_HELD_ROWS)
+        if deferred and self._defer == "capturing":
+            entry = _Entry(calls, None, None)
         else:
-            flat = whole[rows]
-            view, mask, _ = _BITS[flat.dtype]
-            digests = row_digest(flat, rows_per_chunk=1 << 16, offset=offset)
-            samples = ((flat[:, calls.pick].contiguous().view(view).to(torch.int64) & mask) * calls.owned).to(torch.int32)
-        entry = _Entry(calls, digests, samples)
+            entry = _Entry(calls, *digest_now(whole, rows, offset, calls.pick, calls.owned))
+        if deferred:
+            held = Held.of(whole, rows, offset, calls.pick, calls.owned)
+            self._deferred.append((entry, held))
+            self._held += held.x.numel() * held.x.element_size()
+            if self._held > MAX_HELD_BYTES:
+                self._flush()
         self._fwd.append(entry)
         return entry
+
+    def _flush(self) -> None:
+        """Digest the held outputs in one launch per element width. Warming, compare with their
+        digests at the hook; capturing, fill in their entries."""
+        items, self._deferred, self._held = self._deferred, [], 0
+        if not items:
+            return
+        moved = [e for e, h in items if version(h.x) != h.version]
+        if moved and self._defer == "capturing":  # the warm-up saw no such change: refuse the capture
+            raise RuntimeError(f"--trace: the output of {moved[0].calls.info.name} changed in place after "
+                               "its hook during the capture")
+        answers = digest_held([h for _, h in items], self._table_for, self._tables)
+        if self._defer == "capturing":
+            for (entry, _), (digests, samples) in zip(items, answers):
+                entry.digests, entry.samples = digests, samples
+            return
+        count, _ = self._warmed
+        self._warmed = (count + len(items), items[0][1].x.device)
+        entries = [e for e, _ in items]
+        rows = entries[0].digests.shape[0]
+        differ = torch.cat([torch.cat([e.digests for e in entries]) != torch.cat([a[0] for a in answers]),
+                            (torch.cat([e.samples for e in entries]) != torch.cat([a[1] for a in answers])).any(1)])
+        differ = differ.reshape(2, len(entries), rows).any(2).any(0).cpu().numpy()
+        changed = {e.calls.info.name: e.calls for e, bad in zip(entries, differ) if bad}
+        changed.update({e.calls.info.name: e.calls for e in moved})
+        for calls in changed.values():
+            calls.in_place = True
+        if changed:
+            warnings.warn(f"--trace: the outputs of {', '.join(sorted(changed))} change in place after their module "
+                          "returns; they are digested at the hook, a launch each in every decode graph", stacklevel=2)
 
     def _classify(self, name: str, flat: torch.Tensor, inputs: list[Any], routing: bool = False) -> ModuleInfo:
         base, _, port = name.partition(":")
@@ -254,8 +326,8 @@ class Tracer:
         if routing:  # the router's choice: the same on every rank by construction of TP, never a shard
             return ModuleInfo(name=name, order=len(self.calls), dtype="int32", features=flat.shape[1],
                               sharded=False, style=style, routing=True)
-        sharded = self.tp > 1 and _sharded(style, port == "input", lambda: any(self._is_shard(t) for t in inputs))
-        return ModuleInfo(name=name, order=len(self.calls), dtype=_BITS[flat.dtype][2],
+        sharded = self.tp > 1 and sharded_output(style, port == "input", lambda: any(self._is_shard(t) for t in inputs))
+        return ModuleInfo(name=name, order=len(self.calls), dtype=BITS[flat.dtype][2],
                           features=flat.shape[1] * (self.tp if sharded else 1), sharded=sharded, style=style)
 
     def _is_shard(self, t: Any) -> bool:
@@ -373,31 +445,3 @@ class Tracer:
             if info.ranks_disagree:
                 t = token[first_row + int(np.argmax(rows))]
                 info.first_disagreement = {"prompt_id": str(prompts[code[t]]), "pos": int(pos[t])}
-
-
-def _sharded(style: str | None, at_input: bool, input_is_shard) -> bool:
-    """Is this output (or, at_input, a row-parallel layer's input) a shard? From the TP style's
-    declared layout where it declares one, else from the inputs (input_is_shard, called lazily)."""
-    declared = _declared_layouts(style)[0 if at_input else 1] if style else None
-    return declared if declared is not None else input_is_shard()
-
-
-# packed_colwise shards its output as colwise does, but its style object declares no layout.
-_UNDECLARED_OUTPUT = {"packed_colwise": True}
-
-
-@lru_cache(maxsize=None)
-def _declared_layouts(style: str) -> tuple[bool | None, bool | None]:
-    """(input sharded, output sharded) as transformers' TP style declares them; None: not declared."""
-    from torch.distributed.tensor import Shard
-    from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES
-
-    layer = ALL_PARALLEL_STYLES[style] if style in ALL_PARALLEL_STYLES else None
-
-    def has_shard(layouts: Any) -> bool | None:
-        if layouts is None:
-            return None
-        return any(isinstance(p, Shard) for p in (layouts if isinstance(layouts, tuple) else (layouts,)))
-
-    output = _UNDECLARED_OUTPUT.get(style, has_shard(getattr(layer, "output_layouts", None)))
-    return has_shard(getattr(layer, "input_layouts", None)), output

@@ -31,6 +31,7 @@ class Block:
     digests: torch.Tensor  # [calls * rows]
     samples: torch.Tensor  # [calls * rows, SAMPLES]
     experts: torch.Tensor | None  # int32, the routers' [rows, k] ids laid end to end
+    keep: tuple = ()  # what a captured graph's digest launches read (their tables): alive as long as the block
 
 
 @dataclass

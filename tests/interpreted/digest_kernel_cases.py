@@ -15,7 +15,7 @@ import torch  # noqa: E402
 from tbik.tl import interpret as _interpret  # noqa: E402
 
 from repaudit.record.digest import numpy_row_digest, row_digest  # noqa: E402
-from repaudit.record.digest_kernel import digest_rows  # noqa: E402
+from repaudit.record.digest_kernel import digest_many, digest_rows  # noqa: E402
 
 _interpret.apply()  # NumPy 2.4 vs the interpreter's loop bounds
 
@@ -77,6 +77,28 @@ def test_one_flipped_bit_changes_the_kernel_digest():
     y = x.clone()
     y.view(torch.int32)[0, 2048] ^= 1
     assert digest_rows(x)[0].item() != digest_rows(y)[0].item()
+
+
+
+def test_one_launch_for_many_tensors_gives_each_the_bits_of_its_own():
+    """digest_many over tensors of three dtypes (two element widths: two tables), one of them a
+    column slice of a wider tensor (a row stride that is not its width), one narrower than a
+    block, with shard offsets and sampled features: each answer is digest_rows' for that tensor."""
+    wide = _rows(torch.bfloat16, n=9, f=2000, seed=1)
+    xs = [_rows(torch.float32, n=9, f=1500), wide[:, 300:1000], _rows(torch.float16, n=9, f=40, seed=2),
+          _rows(torch.bfloat16, n=9, f=3000, seed=3)]
+    offsets = [0, 700, 40, 0]
+    picks = [torch.tensor([0, 3, 50, 1499]), torch.tensor([0, 1, 2, 699]), torch.tensor([39, 0, 5, 7]),
+             torch.tensor([2999, 1024, 1023, 0])]
+    owned = [torch.tensor([1, 1, 0, 1]), torch.tensor([1, 0, 1, 1]), torch.tensor([1, 1, 1, 1]),
+             torch.tensor([0, 1, 1, 1])]
+    rows = torch.tensor([7, 2, 2, 0, 8])
+    answers, tables = digest_many(xs, rows, offsets, picks, owned)
+    assert len(tables) == 2
+    for x, off, p, o, (d, s) in zip(xs, offsets, picks, owned, answers):
+        want = digest_rows(x, rows, off, p, o)
+        assert torch.equal(d, want[0]) and torch.equal(s, want[1])
+        assert torch.equal(d, row_digest(x[rows], offset=off))
 
 
 if __name__ == "__main__":

@@ -3,9 +3,11 @@
 Stock attention kernels choose how to split the keys (split-KV / flash-decoding) from batch x
 heads x length, and bucket the keys from index 0, so a query's softmax is summed in a
 different order when the batch, the padding, the head count per rank or the prefill/decode
-phase changes. Here each program owns (one batch row, one query head, BLOCK_M queries) and walks
-the keys from the row's first real key, start[b], in BLOCK_N-wide blocks: block boundaries are
-relative to the first real key, so a query meets the same key blocks, in the same order, with
+phase changes. Here each program owns one batch row, one key/value head and BLOCK_M tile rows,
+each a (query, query head) pair, query-major: the query heads that share the key/value head sit
+in adjacent rows, so a decode step reads each key once per GQA group instead of once per query
+head. A program walks the keys from the row's first real key, start[b], in BLOCK_N-wide
+blocks: block boundaries are relative to the first real key, so a query meets the same key blocks, in the same order, with
 the same online-softmax updates, whatever the padding, the batch, the heads per call, or
 whether it is computed in a prefill block or alone in a decode step. Blocks past a query's own
 position (other queries of its block need them) leave its state exactly untouched.
@@ -13,10 +15,9 @@ position (other queries of its block need them) leave its state exactly untouche
 paged_attention is the same computation over a serving engine's paged KV cache (vLLM's layout):
 queries flat, request after request, keys read through a block table. Both kernels update a
 query's state with one function (_update), key block by key block counted from the sequence's
-first key, so a query gets the same bits from either. The paged kernel's tile rows are (query,
-query head) pairs of one key/value head, so a decode step reads each key once per GQA group
-instead of once per query head; a row's arithmetic does not depend on which rows share its tile
-(the property the prefill/decode invariance already rests on).
+first key, with the same tile rows, so a query gets the same bits from either. A row's
+arithmetic does not depend on which rows share its tile (the property the prefill/decode and
+heads-per-call invariances rest on), so neither does it on how the rows are laid out.
 """
 
 from __future__ import annotations
@@ -57,32 +58,37 @@ def _update(q, k, v, offs_n, in_range, kb, q_pos, m_i, l_i, acc, qk_scale, PRECI
 def _attention_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, start_ptr, end_ptr,
     sq_b, sq_h, sq_t, sq_d, sk_b, sk_h, sk_s, sk_d, sv_b, sv_h, sv_s, sv_d, so_b, so_h, so_t, so_d,
-    Hq, Tq, group, qk_scale,
+    Hkv, Tq, group, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
+    # One program: one batch row, one key/value head, BLOCK_M rows of (query, query head)
+    # pairs, query-major, as in the paged kernel: a decode step reads its keys once per GQA group.
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
-    b = (pid_bh // Hq).to(tl.int64)  # int64: a long KV cache's offsets pass 2**31
-    h = pid_bh % Hq
-    hk = h // group
+    b = (pid_bh // Hkv).to(tl.int64)  # int64: a long KV cache's offsets pass 2**31
+    hk = pid_bh % Hkv
     start = tl.load(start_ptr + b).to(tl.int32)
     S = tl.load(end_ptr + b).to(tl.int32)  # keys present; slots past them are never read
 
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    qi = offs_r // group
+    h = hk * group + offs_r % group
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
-    q_pos = S - Tq + offs_m  # key index each query sits at (queries are aligned to the end)
-    q = tl.load(q_ptr + b * sq_b + h * sq_h + offs_m[:, None] * sq_t + offs_d[None, :] * sq_d,
-                mask=(offs_m < Tq)[:, None] & d_mask[None, :], other=0.0)
+    q_pos = S - Tq + qi  # key index each query sits at (queries are aligned to the end)
+    row_mask = (qi < Tq)[:, None] & d_mask[None, :]
+    q = tl.load(q_ptr + b * sq_b + h[:, None] * sq_h + qi[:, None] * sq_t + offs_d[None, :] * sq_d,
+                mask=row_mask, other=0.0)
     k_base = k_ptr + b * sk_b + hk * sk_h
     v_base = v_ptr + b * sv_b + hk * sv_h
 
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
-    # Keys this block of queries can see: [start, last query's position].
-    end = tl.minimum(S - Tq + (pid_m + 1) * BLOCK_M, S)
+    # Keys this block's queries can see: [start, its last query's position].
+    last_q = ((pid_m + 1) * BLOCK_M - 1) // group
+    end = tl.minimum(S - Tq + last_q + 1, S)
     for kb in range(start, end, BLOCK_N):
         offs_n = kb + tl.arange(0, BLOCK_N)
         in_range = offs_n < S
@@ -93,8 +99,8 @@ def _attention_kernel(
         m_i, l_i, acc = _update(q, k, v, offs_n, in_range, kb, q_pos, m_i, l_i, acc, qk_scale, PRECISION)
     # Queries with no visible key (left padding) get zeros instead of 0/0.
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    tl.store(o_ptr + b * so_b + h * so_h + offs_m[:, None] * so_t + offs_d[None, :] * so_d,
-             out.to(o_ptr.dtype.element_ty), mask=(offs_m < Tq)[:, None] & d_mask[None, :])
+    tl.store(o_ptr + b * so_b + h[:, None] * so_h + qi[:, None] * so_t + offs_d[None, :] * so_d,
+             out.to(o_ptr.dtype.element_ty), mask=row_mask)
 
 
 @triton.jit
@@ -169,10 +175,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: torch.Te
     out = torch.empty((bsz, hq, tq, dim), dtype=q.dtype, device=q.device)
     if out.numel() == 0:
         return out
-    grid = (triton.cdiv(tq, _BLOCK_M), bsz * hq)
+    group = hq // hkv
+    grid = (triton.cdiv(tq * group, _BLOCK_M), bsz * hkv)
     meta = _meta(q, dim)
     args = (q, k, v, out, start.to(device=q.device).contiguous(), end.to(device=q.device).contiguous(), *q.stride(),
-            *k.stride(), *v.stride(), *out.stride(), hq, tq, hq // hkv, float(scale * _LOG2E))
+            *k.stride(), *v.stride(), *out.stride(), hkv, tq, group, float(scale * _LOG2E))
     _launch(grid, args, meta)
     return out
 
