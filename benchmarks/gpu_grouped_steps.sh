@@ -13,15 +13,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-reports/engine/grouped-steps}
-mkdir -p "$OUT"
-export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 REPAUDIT_CACHE=${REPAUDIT_CACHE:-/tmp/repaudit-cache} CUDA_VISIBLE_DEVICES=0
-export PYTHONPATH="$PWD/kernels:$PWD${PYTHONPATH:+:$PYTHONPATH}"
-START=$(date +%s)
-step() { echo "== $(date +%T) [$(( $(date +%s) - START ))s] $1"; }
-nvidia-smi -L > "$OUT/machine.txt"
-python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__,
-"transformers", transformers.__version__)' >> "$OUT/machine.txt" 2>&1
-python3 -c 'from repaudit import builtin; builtin.ensure("builtin:qwen3-0.6b")'
+source benchmarks/gpu_setup.sh
+export CUDA_VISIBLE_DEVICES=0
 
 step "pytest: attention, digest kernels, trace and decode graphs"
 timeout "${TEST_BUDGET:-240}" python3 -m pytest -q -p no:cacheprovider -o addopts="" -rs tests/test_tbik_gpu.py \

@@ -20,15 +20,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-reports/perf/score}
 PART=${PART:-lanes}
-mkdir -p "$OUT"
-export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 REPAUDIT_CACHE=${REPAUDIT_CACHE:-/tmp/repaudit-cache}
-export PYTHONPATH="$PWD/kernels:$PWD${PYTHONPATH:+:$PYTHONPATH}"
-START=$(date +%s)
-step() { echo "== $(date +%T) [$(( $(date +%s) - START ))s] $1"; }
-nvidia-smi -L > "$OUT/machine.txt"
-python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__,
-"transformers", transformers.__version__)' >> "$OUT/machine.txt" 2>&1
-python3 -c 'from repaudit import builtin; builtin.ensure("builtin:qwen3-0.6b")'
+source benchmarks/gpu_setup.sh
 [ -f "$OUT/engine_speed.json" ] || cp reports/perf/engine_speed.json "$OUT/"
 speed=(python3 benchmarks/engine_speed.py --model builtin:qwen3-0.6b)
 profile=(); [ -n "${PROFILE:-}" ] && profile=(--profile "$OUT/profiles")

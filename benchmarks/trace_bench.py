@@ -135,7 +135,7 @@ def _ablate(cell, repeats: int) -> None:
                                      torch.zeros((n, k), dtype=torch.int32, device=x.device))
         return zeros[n, k, x.device]
 
-    def no_kernel_many(xs, rows, offsets, picks, owneds, fill_later=None):
+    def no_kernel_many(xs, rows, offsets, picks, owneds, table_for=None):
         return [no_kernel(x, rows, 0, p) for x, p in zip(xs, picks)], []
 
     print("\n| mode | untraced s | hooks that return | hooks without the kernel | all but finish | traced s |")

@@ -158,6 +158,7 @@ class Tracer:
             self._flush()
         finally:
             self._defer, self._deferred, self._held = None, [], 0
+            self._tables.clear()
 
     @contextlib.contextmanager
     def capturing(self):
