@@ -307,7 +307,8 @@ def test_a_graphs_warm_up_finds_outputs_changed_after_their_hook_and_its_capture
     the model changes after their hooks (through a write the version counter does not see, and
     through one it does), are named in a warning and digested at the hook from then on. The
     capture then holds only c's output for the forward's one launch, and the packed block has
-    the digests and samples an ordinary forward gives, bit for bit."""
+    the digests and samples an ordinary forward gives, bit for bit. A later warm-up checks no
+    layout twice."""
     import warnings
 
     import torch
@@ -336,6 +337,13 @@ def test_a_graphs_warm_up_finds_outputs_changed_after_their_hook_and_its_capture
             assert [e.calls.info.name for e, _ in tracer._deferred] == ["c"]
             captured = tracer.pack(tracer.take_since(mark))
         assert tracer._deferred == []
+        # The next graph's warm-up: c's layout was checked, so c is only held (no digest at its hook).
+        with warnings.catch_warnings(record=True) as caught, tracer.warming():
+            warnings.simplefilter("always")
+            model(x)
+        assert caught == []
+        assert [(e.calls.info.name, e.digests is None) for e in tracer.take_since(mark)] == [
+            ("a", False), ("b", False), ("c", True)]
     assert torch.equal(captured.digests, eager.digests) and torch.equal(captured.samples, eager.samples)
     tracer.end()
 

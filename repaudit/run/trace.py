@@ -24,8 +24,9 @@ Inside a capture (capturing()) a hook only holds its output; the forward's outpu
 together, one launch per element width (digest_many), where one launch an output cost more than
 its few rows' hashing. That reads an output after its module returned, so one changed in place
 later in the step would be digested changed: the graph's warm-up forward (warming()) digests
-every output at its hook and deferred, and a module whose two digests differ, or whose output's
-version counter moved, is digested at its hook from then on (with a warning). The capture runs
+each module's output at its hook and deferred, once per output layout, and a module whose two
+digests differ, or whose output's version counter moved, is digested at its hook from then on
+(with a warning). The capture runs
 the warm-up's code (no host branch on the device's values); where outputs have a version
 counter (not under inference mode) a change the warm-up did not see fails the capture.
 
@@ -39,7 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -51,7 +52,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from ..record.tracefile import SAMPLES, SCHEMA, ModuleInfo
 from .experts import is_experts
 from .tplayouts import sharded_output
-from .tracedigests import BITS, MAX_HELD_BYTES, MAX_HELD_ROWS, Held, digest_held, digest_now, version
+from .tracedigests import BITS, MAX_HELD_BYTES, MAX_HELD_ROWS, Held, differing, digest_held, digest_now, version
 from .tracerows import Block, Layout, Rows, experts_column, kept_rows, to_host
 
 @dataclass
@@ -61,6 +62,7 @@ class _Calls:
     pick: torch.Tensor | None = None  # local column of each sampled feature
     owned: torch.Tensor | None = None  # which sampled features this rank holds
     in_place: bool = False  # its output is changed after the hook: never deferred
+    checked: set = field(default_factory=set)  # output layouts a warm-up found unchanged after the hook
 
 
 @dataclass
@@ -147,18 +149,18 @@ class Tracer:
     # ------------------------------------------------------------------ CUDA graphs
     @contextlib.contextmanager
     def warming(self):
-        """A graph's warm-up forward, whose calls the caller drops: every output is digested at
-        its hook and again deferred, as the capture will, so the kernels are built outside the
-        capture; an output whose two digests differ was changed in place after its hook, and its
-        module is digested at the hook from then on."""
+        """A graph's warm-up forward, whose calls the caller drops: outputs are held and digested
+        together, as the capture will, so the kernels are built outside the capture; an output in
+        a layout its module has not been checked in is digested at its hook too, and where the two
+        digests differ it was changed in place after the hook: its module is then digested at the
+        hook from then on."""
         self._defer = "warming"
         self._warmed = (0, None)
         try:
             yield
             self._flush()
         finally:
-            self._defer, self._deferred, self._held = None, [], 0
-            self._tables.clear()
+            self._defer, self._deferred, self._held, self._tables = None, [], 0, []
 
     @contextlib.contextmanager
     def capturing(self):
@@ -186,8 +188,7 @@ class Tracer:
                 table.copy_(host)
         finally:
             self._defer, self._table_for, self._deferred, self._held = None, None, [], 0
-            self._tables.clear()
-            self._unfilled.clear()
+            self._tables, self._unfilled = [], []
 
     def mark(self) -> int:
         """Where the current forward's recorded calls end now."""
@@ -278,12 +279,14 @@ class Tracer:
             calls.pick = idx.clamp(0, local - 1)
         # Features another rank owns count 0 in the samples; the all-reduce in finish() adds them in.
         deferred = (self._defer is not None and not routing and not calls.in_place and rows.numel() <= MAX_HELD_ROWS)
-        if deferred and self._defer == "capturing":
+        layout = (whole.dtype, whole.shape[1], whole.stride())
+        # A warm-up checks each output layout once (a digest at the hook to compare); later ones only hold.
+        if deferred and (self._defer == "capturing" or layout in calls.checked):
             entry = _Entry(calls, None, None)
         else:
             entry = _Entry(calls, *digest_now(whole, rows, offset, calls.pick, calls.owned))
         if deferred:
-            held = Held.of(whole, rows, offset, calls.pick, calls.owned)
+            held = Held.of(whole, rows, offset, calls.pick, calls.owned, layout)
             self._deferred.append((entry, held))
             self._held += held.x.numel() * held.x.element_size()
             if self._held > MAX_HELD_BYTES:
@@ -308,15 +311,14 @@ class Tracer:
             return
         count, _ = self._warmed
         self._warmed = (count + len(items), items[0][1].x.device)
-        entries = [e for e, _ in items]
-        rows = entries[0].digests.shape[0]
-        differ = torch.cat([torch.cat([e.digests for e in entries]) != torch.cat([a[0] for a in answers]),
-                            (torch.cat([e.samples for e in entries]) != torch.cat([a[1] for a in answers])).any(1)])
-        differ = differ.reshape(2, len(entries), rows).any(2).any(0).cpu().numpy()
-        changed = {e.calls.info.name: e.calls for e, bad in zip(entries, differ) if bad}
+        checks = [(e, h, a) for (e, h), a in zip(items, answers) if e.digests is not None]
+        differ = differing([(e.digests, e.samples) for e, _, _ in checks], [a for _, _, a in checks])
+        changed = {e.calls.info.name: e.calls for (e, _, _), bad in zip(checks, differ) if bad}
         changed.update({e.calls.info.name: e.calls for e in moved})
         for calls in changed.values():
             calls.in_place = True
+        for e, h, _ in checks:
+            e.calls.checked.add(h.layout)
         if changed:
             warnings.warn(f"--trace: the outputs of {', '.join(sorted(changed))} change in place after their module "
                           "returns; they are digested at the hook, a launch each in every decode graph", stacklevel=2)

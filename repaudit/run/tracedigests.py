@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..record.digest import row_digest
@@ -36,11 +37,13 @@ class Held:
     pick: torch.Tensor
     owned: torch.Tensor
     version: int | None  # x's version at the hook
+    layout: tuple = ()  # the output's (dtype, features, strides), as the tracer checks it
 
     @staticmethod
-    def of(whole: torch.Tensor, rows: torch.Tensor, offset: int, pick: torch.Tensor, owned: torch.Tensor) -> "Held":
+    def of(whole: torch.Tensor, rows: torch.Tensor, offset: int, pick: torch.Tensor, owned: torch.Tensor,
+           layout: tuple = ()) -> "Held":
         x = whole if whole.stride(-1) == 1 else whole.contiguous()
-        return Held(x, rows, offset, pick, owned, version(x))
+        return Held(x, rows, offset, pick, owned, version(x), layout)
 
 
 def digest_now(whole: torch.Tensor, rows: torch.Tensor, offset: int, pick: torch.Tensor,
@@ -72,3 +75,14 @@ def digest_held(held: list[Held], table_for, tables: list) -> list[tuple[torch.T
                                 [h.owned for h in held], table_for)
     tables.extend(made)
     return answers
+
+
+def differing(now: list[tuple[torch.Tensor, torch.Tensor]],
+              held: list[tuple[torch.Tensor, torch.Tensor]]) -> np.ndarray:
+    """Which outputs' (digests, samples) differ between two digestings: bool per output, one host copy."""
+    if not now:
+        return np.zeros(0, dtype=bool)
+    rows = now[0][0].shape[0]
+    differ = torch.cat([torch.cat([d for d, _ in now]) != torch.cat([d for d, _ in held]),
+                        (torch.cat([s for _, s in now]) != torch.cat([s for _, s in held])).any(1)])
+    return differ.reshape(2, len(now), rows).any(2).any(0).cpu().numpy()
