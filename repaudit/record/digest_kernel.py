@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 from tbik.tl.launcher import CachedKernel
 
-from .digest_params import GOLDEN, M1, M2, SEED
+from .digest_params import GOLDEN, M1, M2, SEED, TABLE_MAX_ROWS
 
 BASE = (SEED + GOLDEN) % (1 << 64)
 assert (M1, M2) == (0xBF58476D1CE4E5B9, 0x94D049BB133111EB)  # the literals in mix below
@@ -37,6 +37,16 @@ def mix(z):
 
 
 @triton.jit
+def _terms(loaded, i, live, offset, base, mask):
+    """Each feature's term of the digest, mix(bits ^ key(global index)), 0 past the row's end.
+    `loaded` is read through an integer view of the row: the bits are the value, no float is
+    formed. i and live [BLOCK]; loaded [BLOCK] or [ROWS, BLOCK], the keys made once for all rows."""
+    key = mix((i + offset).to(tl.uint64) + base)
+    bits = (loaded.to(tl.int64) & mask).to(tl.uint64)
+    return tl.where(live, mix(bits ^ key), 0)
+
+
+@triton.jit
 def _digest_rows_kernel(x_ptr, rows_ptr, n_rows, stride, n_feat, offset, base, mask,
                         pick_ptr, owned_ptr, digest_ptr, sample_ptr,
                         ROWS: tl.constexpr, BLOCK: tl.constexpr, SAMPLES: tl.constexpr):
@@ -49,11 +59,8 @@ def _digest_rows_kernel(x_ptr, rows_ptr, n_rows, stride, n_feat, offset, base, m
     for start in range(0, n_feat, BLOCK):
         i = start + tl.arange(0, BLOCK)
         live = i < n_feat
-        key = mix((i + offset).to(tl.uint64) + base)
-        # Loaded through an integer view of the row: the bits are the value, no float is formed.
-        bits = (tl.load(row_ptr[:, None] + i[None, :], mask=here[:, None] & live[None, :], other=0).to(tl.int64)
-                & mask).to(tl.uint64)
-        acc += tl.where(live[None, :], mix(bits ^ key[None, :]), 0)
+        acc += _terms(tl.load(row_ptr[:, None] + i[None, :], mask=here[:, None] & live[None, :], other=0),
+                      i[None, :], live[None, :], offset, base, mask)
     tl.store(digest_ptr + r, tl.sum(acc, axis=1).to(tl.int64, bitcast=True), mask=here)
     if SAMPLES > 0:
         s = tl.arange(0, SAMPLES)
@@ -94,7 +101,6 @@ def digest_rows(x: torch.Tensor, rows: torch.Tensor | None = None, offset: int =
     return digests, samples
 
 
-MAX_ROWS = 65535
 _TABLE_BLOCK = 1024  # fixed, so that every table of a dtype takes the one binary built before a capture
 
 
@@ -119,9 +125,7 @@ def _digest_table_kernel(table_ptr, rows_ptr, n_rows, base, mask, digest_ptr, sa
     for start in range(0, n_feat, BLOCK):
         i = start + tl.arange(0, BLOCK)
         live = i < n_feat
-        key = mix((i + offset).to(tl.uint64) + base)
-        bits = (tl.load(row_ptr + i, mask=live, other=0).to(tl.int64) & mask).to(tl.uint64)
-        acc += tl.where(live, mix(bits ^ key), 0)
+        acc += _terms(tl.load(row_ptr + i, mask=live, other=0), i, live, offset, base, mask)
     out = e.to(tl.int64) * n_rows + r
     tl.store(digest_ptr + out, tl.sum(acc, axis=0).to(tl.int64, bitcast=True))
     if SAMPLES > 0:
@@ -150,8 +154,8 @@ def digest_many(xs: list[torch.Tensor], rows: torch.Tensor, offsets: list[int], 
     replay: the caller then hands out space allocated before the capture and fills it after.
     """
     n = rows.numel()
-    if n > MAX_ROWS:
-        raise ValueError(f"digest_many takes at most {MAX_ROWS} rows (the grid's second axis), got {n}")
+    if n > TABLE_MAX_ROWS:
+        raise ValueError(f"digest_many takes at most {TABLE_MAX_ROWS} rows (the grid's second axis), got {n}")
     device = rows.device
     answers: list = [None] * len(xs)
     tables = []

@@ -13,11 +13,12 @@ import numpy as np
 import torch
 
 from ..record.digest import row_digest
+from ..record.digest_params import TABLE_MAX_ROWS
 
 # dtype -> (integer view, mask of its bits, the dtype's name in the trace's metadata)
 BITS = {torch.float32: (torch.int32, 0xFFFFFFFF, "float32"), torch.bfloat16: (torch.int16, 0xFFFF, "bfloat16"),
         torch.float16: (torch.int16, 0xFFFF, "float16")}
-MAX_HELD_ROWS = 65535  # digest_many's MAX_ROWS: a decode step's batch
+MAX_HELD_ROWS = TABLE_MAX_ROWS  # digest_many's rows: a decode step's batch
 # Outputs held for one launch at most: past this the launch is made and holding starts again, so
 # a large model's step never holds all its activations (a few launches then, not hundreds).
 MAX_HELD_BYTES = 64 << 20
