@@ -289,14 +289,16 @@ def compiled_kernels():
     return out
 
 
-def set_config(cfg):
+def set_config(cfg, few_rows=()):
+    """One tile configuration for every M (few_rows: tl/matmul.py's _FEW_ROWS entries for bf16)."""
     tm._CONFIGS[torch.bfloat16] = cfg
-    tm._config.cache_clear()
+    tm._FEW_ROWS[torch.bfloat16] = few_rows
     tm._plan.cache_clear()
 
 
 SWEEP_CONFIGS = [
-    "64x128x128 w8 s4 R2 TMA",  # shipped
+    "64x128x128 w8 s4 R2 TMA",  # shipped above 256 rows
+    "shipped",  # tl/matmul.py's choice: narrower tiles for fewer rows
     "64x128x128 w8 s3 R2 TMA",
     "64x128x64 w4 s3 R1 TMA",  # one warpgroup, m64n128 wgmma; two programs fit an SM
     "64x128x64 w4 s4 R1 TMA",
@@ -315,26 +317,30 @@ def parse_config(text: str) -> dict:
                 REG_LEVELS=int(reg[1:]), TMA=loads == "TMA")
 
 
-def sweep(configs=SWEEP_CONFIGS) -> str:
-    """Tile configurations (eager timings) and execution strategies (CUDA-graph timings)."""
-    variants = {name: parse_config(name) for name in configs}
-    shapes, ms = SHAPES, MS  # bench's cells, so the geometric means compare with bench's
-    default = dict(tm._CONFIGS[torch.bfloat16])
-    rows, kernel_rows = [], []
+def sweep(configs=SWEEP_CONFIGS, shapes=SHAPES, ms=MS) -> str:
+    """Tile configurations (eager timings, and CUDA-graph timings: GPU time alone, as a decode
+    step replays them) and execution strategies (CUDA-graph timings)."""
+    default, default_few = dict(tm._CONFIGS[torch.bfloat16]), tm._FEW_ROWS[torch.bfloat16]
+    # "shipped": tl/matmul.py's own choice, its tiles by the number of rows
+    variants = {name: (default, default_few) if name == "shipped" else (parse_config(name), ())
+                for name in configs}
+    rows, kernel_rows, graph_rows = [], [], []
     seen = set(compiled_kernels())
-    refs, bits, moved = {}, {}, []
+    refs, graph_refs, bits, moved = {}, {}, {}, []
     cells = [(sname, m) for sname, _, _ in shapes for m in ms]
     for name, variant in variants.items():
-        set_config(variant)
-        ratios = {}
+        set_config(*variant)
+        ratios, graph_us = {}, {}
         for sname, n, k in shapes:
-            x8, w = operands(8192, n, k, seed=7)
+            x8, w = operands(max(ms), n, k, seed=7)
             for m in ms:
                 x = x8[:m]
                 if (sname, m) not in refs:
                     refs[(sname, m)] = ms_of(lambda: torch.matmul(x, w.t()))
+                    graph_refs[(sname, m)] = graph_ms_of(lambda: torch.matmul(x, w.t()))
                 try:
                     ratios[(sname, m)] = refs[(sname, m)] / ms_of(lambda: tbik.tree_matmul(x, w.t()))
+                    graph_us[(sname, m)] = graph_ms_of(lambda: tbik.tree_matmul(x, w.t())) * 1e3
                     out = tbik.tree_matmul(x, w.t(), out_dtype=torch.float32)
                     first = bits.setdefault((sname, m), out)
                     if not same_bits(out, first):  # every configuration must give the default's bits
@@ -345,6 +351,8 @@ def sweep(configs=SWEEP_CONFIGS) -> str:
         small = [r for (_, m), r in ratios.items() if m <= 32]
         rows.append((name, f"{geomean(big):.3f}", f"{geomean(small):.3f}",
                      *(f"{ratios[c]:.2f}" if c in ratios else "-" for c in cells)))
+        graph_rows.append((name, f"{sum(graph_us.values()):.1f}",
+                           *(f"{graph_us[c]:.1f}" if c in graph_us else "-" for c in cells)))
         print(" | ".join(map(str, rows[-1])), flush=True)
         for key, kernel in compiled_kernels().items():
             if key in seen:
@@ -352,12 +360,12 @@ def sweep(configs=SWEEP_CONFIGS) -> str:
             seen.add(key)
             kernel_rows.append((name, getattr(kernel, "n_regs", "?"), getattr(kernel, "n_spills", "?"),
                                 getattr(kernel.metadata, "shared", "?")))
-    set_config(default)
+    set_config(default, default_few)
 
     split_rows = []
-    for sname, n, k in SHAPES[:4]:
-        x8, w = operands(512, n, k, seed=8)
-        for m in (1, 8, 32, 128, 512):
+    for sname, n, k in shapes:
+        x8, w = operands(max(ms), n, k, seed=8)
+        for m in ms:
             x = x8[:m]
             ref = graph_ms_of(lambda: torch.matmul(x, w.t()))
             times = [graph_ms_of(lambda: tbik.tree_matmul(x, w.t(), _split=split)) for split in (1, 2, 4, 8)]
@@ -367,7 +375,9 @@ def sweep(configs=SWEEP_CONFIGS) -> str:
     head = ["config (bf16), eager", "geomean M>=128", "geomean M<=32", *(f"{s} M={m}" for s, m in cells)]
     verdict = ("every configuration gave the first one's fp32 bits in every cell" if not moved
                else "BITS DIFFER from the first configuration: " + "; ".join(moved))
-    return (table(head, rows) + "\n\n" + verdict + "\n\n"
+    graph_head = ["config (bf16), CUDA graph us", "sum", *(f"{s} M={m}" for s, m in cells)]
+    graph_ref = ("cuBLAS", f"{sum(graph_refs.values()) * 1e3:.1f}", *(f"{graph_refs[c] * 1e3:.1f}" for c in cells))
+    return (table(head, rows) + "\n\n" + table(graph_head, [graph_ref, *graph_rows]) + "\n\n" + verdict + "\n\n"
             + table(["config", "registers", "spills", "shared bytes"], kernel_rows) + "\n\n"
             + table(["shape", "M", "graph: cuBLAS us", "SPLIT=1 us", "2 us", "4 us", "8 us", "best", "heuristic"],
                     split_rows))
@@ -379,17 +389,24 @@ def main() -> None:
                         choices=["probe", "accuracy", "bench", "sweep", "host"])
     parser.add_argument("--out", help="folder for <what>.md")
     parser.add_argument("--json", help="bench's rows and geometric means, kept with other devices' (see above)")
-    parser.add_argument("--configs", help="sweep's tile configurations, ';'-separated, e.g. '64x128x64 w4 s3 R1 TMA'")
+    parser.add_argument("--configs", help="sweep's tile configurations, ';'-separated, e.g. '64x128x64 w4 s3 R1 TMA' "
+                        "('shipped': tl/matmul.py's choice by the number of rows)")
+    parser.add_argument("--shapes", help="bench's and sweep's linear shapes, ','-separated NAME:N:K "
+                        "(default: Qwen3-8B's)")
+    parser.add_argument("--ms", help="bench's and sweep's row counts, ','-separated (default: 1,8,32,128,512,2048,8192)")
     parser.add_argument("--repeat", type=int, default=1, help="run bench this many times; --json keeps each row's median")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
     torch.backends.cuda.matmul.allow_tf32 = False
     print(f"device: {device_name()}\n", flush=True)
+    shapes = [(name, int(n), int(k)) for name, n, k in (s.split(":") for s in args.shapes.split(","))] \
+        if args.shapes else SHAPES
+    ms = [int(m) for m in args.ms.split(",")] if args.ms else MS
     for what in [w for w in args.what for _ in range(args.repeat if w == "bench" else 1)]:
         t = time.time()
-        text = {"probe": probe, "accuracy": accuracy, "bench": bench, "host": host,
-                "sweep": lambda: sweep(args.configs.split(";") if args.configs else SWEEP_CONFIGS)}[what]()
+        text = {"probe": probe, "accuracy": accuracy, "bench": lambda: bench(shapes, ms), "host": host,
+                "sweep": lambda: sweep(args.configs.split(";") if args.configs else SWEEP_CONFIGS, shapes, ms)}[what]()
         text = f"## {what}\n\ndevice: {device_name()}\n\n{text}\n\n({time.time() - t:.0f} s)\n"
         print(text, flush=True)
         if args.out:

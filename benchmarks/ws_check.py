@@ -128,8 +128,8 @@ def main():
                 torch.cuda.empty_cache()
             if not args.no_time:
                 out = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
-                tiles = triton.cdiv(m, 64) * triton.cdiv(n, 128)  # tl/matmul.py's own heuristic, its 64x128 tiles
-                split = tm._pick_split(m, n, k, 8, tiles, x.element_size(), x.device)
+                cfg = tm._config(x.dtype, k // 8, m, n, x.device)  # tl/matmul.py's own tiles and SPLIT for these rows
+                split = tm._pick_split(8, triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]), x.device)
                 t_cub = bench(lambda: torch.matmul(x, b))
                 t_tree = bench(lambda: tbik.tree_matmul(x, b, _split=split))
                 ratios_tree[(n, k, m)] = t_cub / t_tree

@@ -57,10 +57,38 @@ def test_rows_do_not_depend_on_batch_size(n, k, num_chunks):
     x, w = operands(4096, k, n, seed=1)
     bias = torch.randn(n, device="cuda").to(torch.bfloat16)
     full = tbik.tree_matmul(x, w.t(), bias, num_chunks=num_chunks)
-    for m in (1, 2, 8, 32, 100, 128, 512, 2048):
+    for m in (1, 2, 8, 32, 64, 65, 100, 128, 256, 257, 512, 2048):
         for first in (0, 1111):
             assert_bits_equal(tbik.tree_matmul(x[first:first + m], w.t(), bias, num_chunks=num_chunks),
                               full[first:first + m])
+
+
+@pytest.mark.parametrize("n,k", [(1024, 1024), (3072, 1024), (1024, 3072)])
+def test_the_tiles_for_few_rows_give_the_one_size_tiles_bits(n, k):
+    """Decode shapes (Qwen3-0.6B): rows on both sides of each tile switch, every SPLIT, and the
+    rows of a TP=2 partial, against the 64x128 tiles used for every M."""
+    from tbik.tl import matmul as tm
+
+    x, w = operands(300, k, n, seed=4)
+    rows = (1, 32, 64, 65, 256, 257, 300)
+    widths = {m: tm._plan(x.dtype, torch.float32, x.device, m, n, k, 8, k // 8, False, 1, True).meta["BLOCK_N"]
+              for m in rows}
+    assert widths[32] == 32 and widths[65] == 64 and widths[257] == 128  # the switch is in use
+    got = {m: tbik.tree_matmul(x[:m], w.t(), out_dtype=torch.float32) for m in rows}
+    half = k // 2
+    partial = {m: tbik.matmul_partial(x[:m, half:], w.t()[half:], tp_size=2) for m in rows}
+    few = tm._FEW_ROWS[torch.bfloat16]
+    tm._FEW_ROWS[torch.bfloat16] = ()
+    tm._plan.cache_clear()
+    try:
+        for m in rows:
+            for split in (1, 2, 8):
+                assert_bits_equal(tbik.tree_matmul(x[:m], w.t(), out_dtype=torch.float32, _split=split), got[m])
+            assert_bits_equal(tbik.matmul_partial(x[:m, half:], w.t()[half:], tp_size=2), partial[m])
+            assert_bits_equal(got[m], got[300][:m])
+    finally:
+        tm._FEW_ROWS[torch.bfloat16] = few
+        tm._plan.cache_clear()
 
 
 def test_every_execution_strategy_gives_the_same_bits():

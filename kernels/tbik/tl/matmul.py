@@ -23,10 +23,14 @@ check this for every SPLIT. On Hopper a third strategy takes the large-M case: m
 warp-specialized Gluon kernel with 128x128 tiles (one TMA producer warp, two MMA warpgroups),
 again the same k16 MMA steps per leaf and the same tree.
 
-The tile configuration depends only on the dtype and the chunk width, never on M, N or the TP
-size: a row's result must not depend on how many rows come with it (batch invariance), a
+What decides the bits is only the leaves (chunk width), the k16 MMA steps inside a leaf and the
+tree: a row's result must not depend on how many rows come with it (batch invariance), a
 column's not on how many columns the rank holds (column-parallel shards), a leaf's not on how
-many leaves the rank holds (row-parallel shards).
+many leaves the rank holds (row-parallel shards). The tile shape does not enter: a tile's
+output element is the same chain of k16 MMA steps whatever the tile's width, height or BLOCK_K
+(every sweep of reports/kernels/ found one set of bits for all the configurations it timed). So
+the tile may follow M: few rows (decode) take narrower tiles, which give the same weights more
+programs to stream them (see _FEW_ROWS); tests/test_tbik_gpu.py checks rows across the switch.
 """
 
 from __future__ import annotations
@@ -55,6 +59,19 @@ _CONFIGS = {
     torch.bfloat16: dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=4, REG_LEVELS=2, TMA=True),
     torch.float16: dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=4, REG_LEVELS=2, TMA=True),
     torch.float32: dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=3, REG_LEVELS=2, TMA=False),
+}
+# Few rows (a decode step): (most rows, configuration), narrowest tile first; the first whose
+# rows fit and whose tiles fit one wave (one per SM) is taken, else _CONFIGS'. 64 rows is one
+# wgmma height, so narrower tiles are the only way to more programs: a 1,024-wide projection
+# has 32 tiles 32 wide instead of 8 before any K split. More tiles than SMs would run a second
+# wave (gate/up, 6,144 wide: 10.7 us at 32 rows with 32-wide tiles, 8.8 with 128-wide).
+# CUDA-graph sweep on Qwen3-0.6B's linear shapes (reports/kernels/h200-small-m): q/k/v/o/down
+# at 32 rows 4.8-7.3 us against 7.1-8.1 us with 64x128 tiles, at 256 rows 7.0-9.3 against
+# 10.0-12.5 us. Same bits: see the module docstring.
+_FEW_ROWS = {
+    dtype: ((64, dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=4, REG_LEVELS=2, TMA=True)),
+            (256, dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4, REG_LEVELS=2, TMA=True)))
+    for dtype in (torch.bfloat16, torch.float16)
 }
 _GROUP_M = 8  # tile swizzle for L2 reuse: only decides which program computes a tile, not how
 _PROGRAMS_PER_SM = 2  # persistent grid size (finer load balance); like SPLIT, never changes a bit
@@ -272,32 +289,35 @@ def _ticket_buffer(device: torch.device, n: int) -> torch.Tensor:
     return buf
 
 
-@functools.lru_cache(maxsize=None)
-def _config(dtype: torch.dtype, chunk_width: int) -> dict:
+def _config(dtype: torch.dtype, chunk_width: int, m: int, n: int, device: torch.device) -> dict:
     if dtype not in _CONFIGS:
         raise TypeError(f"tbik matmul supports bfloat16, float16 and float32, not {dtype}")
-    cfg = dict(_CONFIGS[dtype])
+    sms = _num_sms(device)
+    cfg = next((c for rows, c in _FEW_ROWS.get(dtype, ())
+                if m <= rows and triton.cdiv(m, c["BLOCK_M"]) * triton.cdiv(n, c["BLOCK_N"]) <= sms), _CONFIGS[dtype])
+    return _sized(dtype, chunk_width, tuple(cfg.items()))
+
+
+@functools.lru_cache(maxsize=None)
+def _sized(dtype: torch.dtype, chunk_width: int, items: tuple) -> dict:
+    cfg = dict(items)
     # A chunk narrower than BLOCK_K would be mostly masked; 16 is tl.dot's minimum.
     cfg["BLOCK_K"] = min(cfg["BLOCK_K"], max(16, triton.next_power_of_2(chunk_width)))
     return cfg
 
 
-def _pick_split(m: int, n: int, k_len: int, leaves: int, tiles: int, elem_bytes: int, device: torch.device) -> int:
+def _pick_split(leaves: int, tiles: int, device: torch.device) -> int:
     """Execution strategy only (never the bits). With few output tiles (small M) the GPU is
-    not filled; splitting a tile's leaves over SPLIT programs fills it, at the price of writing
-    and reading SPLIT fp32 partials of the M x N output (mostly in L2, hence counted half).
-    Pick the SPLIT with the least bytes per unit of occupied GPU (small M is bandwidth-bound);
-    fitted to CUDA-graph timings on an H100 (reports/kernels/run2/sweep.md)."""
-    sms = _num_sms(device)
-    best, best_cost = 1, None
-    split = 1
-    while split <= leaves:
-        traffic = n * k_len * elem_bytes + (split > 1) * split * m * n * 4
-        cost = traffic / min(1.0, tiles * split / sms)
-        if best_cost is None or cost < best_cost:
-            best, best_cost = split, cost
+    not filled; splitting a tile's leaves over SPLIT programs fills it, at the price of writing,
+    and one program per tile reading, SPLIT fp32 partials. The largest SPLIT whose programs
+    still fit one wave (one per SM). In the CUDA-graph split table of Qwen3-0.6B's shapes at
+    32, 64 and 256 rows with 64x128 tiles (reports/kernels/h200-small-m) it is the fastest
+    SPLIT, or within 0.3 us of it, in 19 of 21 cells (1.0 us off in the worst); the fitted
+    cost model before it split past one wave and lost up to 1.5x (gate, 32 and 64 rows)."""
+    split, sms = 1, _num_sms(device)
+    while split * 2 <= leaves and tiles * split * 2 <= sms:
         split *= 2
-    return best
+    return split
 
 
 class _Plan(NamedTuple):
@@ -331,11 +351,11 @@ def _plan(dtype, out_dtype, device, m, n, k_len, leaves, chunk_width, has_bias, 
     if split is None and device.type == "cuda" and _gluon_eligible(dtype, out_dtype, device, m, n, k_len, leaves,
                                                                    chunk_width, tma_fits):
         return _Plan((0,), 0, 0, 0, 0, {}, gluon=True)
-    cfg = _config(dtype, chunk_width)
+    cfg = _config(dtype, chunk_width, m, n, device)
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     if split is None:
-        split = _pick_split(m, n, k_len, leaves, tiles, dtype.itemsize, device)
+        split = _pick_split(leaves, tiles, device)
     if leaves % split:
         raise ValueError(f"split={split} must divide the {leaves} leaves")
     units = tiles * split
