@@ -84,6 +84,8 @@ def test_rates_are_truncated_never_rounded_up():
     assert [pct(2, 3), pct(1, 3), pct(0, 7), pct(7, 7), pct(1, 0)] == ["66.66%", "33.33%", "0.00%", "100%", "n/a"]
     assert pct(10**17 - 1, 10**17) == "99.99%"  # a float quotient would round this to 100.00%
     assert pct(9999, 10000) == "99.99%" and pct(19999, 20000) == "99.99%"
+    # A rate above zero never reads as none: 1 of 10,001 floors to 0.00% but is not 0.
+    assert [pct(1, 10001), pct(1, 10000), pct(0, 10001)] == ["<0.01%", "0.01%", "0.00%"]
 
 
 def test_one_flipped_digest_bit_exits_1(make_record, capsys):

@@ -514,6 +514,29 @@ def test_digests_on_part_of_the_rows(tmp_path):
     assert not r.identical
 
 
+def test_digests_missing_from_the_shared_rows_only_are_a_gap(tmp_path):
+    """Record B holds digests, but only for a prompt A lacks: its engine can make them, so the
+    shared rows' missing digests fail the verdict; with no digest anywhere in B they would not."""
+    a = _side({"p": [(i, 1, M2) for i in range(2)]})
+    pa_ = a.write(tmp_path / "a.parquet")
+    b = _side({"p": [(i, 1, M2) for i in range(2)], "q": [(0, 1, M2)]})
+    table = pq.read_table(b.write(tmp_path / "full.parquet"))
+    keep = table.column("row_digest").to_pylist()
+    ids = table.column("prompt_id").to_pylist()
+    holed = table.set_column(table.schema.get_field_index("row_digest"), "row_digest",
+                             pa.array([d if p == "q" else None for d, p in zip(keep, ids)], pa.uint64()))
+    pb_ = tmp_path / "b.parquet"
+    pq.write_table(holed, pb_)
+    r = diff_records(pa_, pb_, allow_partial=True)
+    assert (r.digest_compared, r.digest_only_a, r.digest_rows_a, r.digest_rows_b) == (0, 2, 2, 1)
+    assert "2 positions hold row digests in record A only" in " ".join(r.reasons) and not r.identical
+    none = table.set_column(table.schema.get_field_index("row_digest"), "row_digest", pa.nulls(len(ids), pa.uint64()))
+    pq.write_table(none, pb_)
+    r = diff_records(pa_, pb_, allow_partial=True)
+    assert (r.digest_only_a, r.digest_rows_b) == (2, 0) and not any("digest" in x for x in r.reasons)
+    assert r.to_dict()["digest"]["record_rows_b"] == 0
+
+
 # ------------------------------------------------------------------------------ comparability
 
 
@@ -664,3 +687,28 @@ def test_first_divergences_are_listed_by_where_the_prompt_first_diverges():
                PromptDiff("both", True, True, first_token_divergence=7, first_logprob_divergence=3)]
     rows = divergent_prompts(SimpleNamespace(shared_prompts=prompts))
     assert [r["prompt"] for r in rows] == ["fork", "both", "late"]
+
+
+def test_ulp_percentiles_take_the_nearest_rank_in_integers():
+    """At 657,247,381,085,762,037 distances, ceil(0.99 * n) in floats is rank 650,674,907,274,904,448,
+    31 past the exact one; the 99th percentile must still be the distance at the exact rank."""
+    from repaudit.compare.accumulate import Accumulator, percentile
+
+    n = 657_247_381_085_762_037
+    exact = -(-n * 99 // 100)
+    assert math.ceil(0.99 * n) > exact  # the case the integer rank is for
+    acc = Accumulator(1)
+    acc.small_hist[0], acc.small_hist[1] = exact, n - exact  # ranks 1..exact hold 0 ULP, the rest 1
+    assert percentile(acc, n, 99, 100) == 0
+    acc.small_hist[0], acc.small_hist[1] = exact - 1, n - exact + 1
+    assert percentile(acc, n, 99, 100) == 1
+    assert percentile(acc, 3, 1, 2) == 0 and percentile(acc, 0, 1, 2) == 0
+
+
+def test_prompt_ids_that_differ_only_by_trailing_nuls_stay_apart(tmp_path):
+    # numpy's fixed-width str drops trailing NULs: "a\0" must not be taken for "a" (nor refused as its duplicate).
+    a = _side({"a": [(0, 1, M2)], "a\x00": [(0, 2, M2)]})
+    pa_ = a.write(tmp_path / "a.parquet")
+    assert sorted(pq.read_table(pa_).column("prompt_id").to_pylist()) == ["a", "a\x00"]
+    r = diff_records(pa_, pa_)
+    assert [p.prompt_id for p in r.prompts] == ["a", "a\x00"] and r.matched == 2 and r.identical

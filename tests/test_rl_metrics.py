@@ -227,6 +227,19 @@ def test_a_signalling_nan_margin_is_left_out_quietly(tmp_path):
     assert any("numeric margin" in s for s in r.not_compared)
 
 
+def test_a_negative_zero_flip_margin_keeps_its_sign(tmp_path):
+    # Record A's top two logprobs at the flipped position are -0.0 and +0.0: the margin is
+    # -0.0 - +0.0 = -0.0, and the median of that one margin is -0.0, not +0.0.
+    rows = dict(prompt_id=["x"], pos=[0], token_id=[1], **META)
+    ids = np.array([[5, 6]], np.int32)
+    write_record(tmp_path / "a.parquet", **rows, logprob=np.array([-1.0], np.float32), top1_id=[5],
+                 topk_ids=ids, topk_logprobs=f32([[0x80000000, 0]]), cell={"id": "a"})
+    write_record(tmp_path / "b.parquet", **rows, logprob=np.array([-1.0], np.float32), top1_id=[6],
+                 topk_ids=ids[:, ::-1].copy(), topk_logprobs=f32([[0, 0x80000000]]), cell={"id": "b"})
+    rl = diff_records(tmp_path / "a.parquet", tmp_path / "b.parquet").to_dict()["rl"]
+    assert rl["flip_rate"] == 1.0 and rl["flip_margin_p50"] == 0 and math.copysign(1, rl["flip_margin_p50"]) == -1
+
+
 def test_k3_series_leaves_out_less_than_its_stated_share_at_every_size():
     """docs/metrics.md: the k3 term's Taylor series is cut where the rest is below 2**-56 of the
     term. Exact remainders (60-digit decimals) at both signs of d, on a grid of largest |d| up to

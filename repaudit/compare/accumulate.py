@@ -38,6 +38,7 @@ class Accumulator:
         self.prob_max = 0.0
         self.after_divergence = self.nan_vs_number = self.nan_payload = 0
         self.digest_compared = self.digest_equal = self.digest_only_a = self.digest_only_b = 0
+        self.digest_rows_a = self.digest_rows_b = 0  # rows of each whole record that hold a row digest
         self.top1_compared = self.top1_equal = self.top1_only_a = self.top1_only_b = 0
         self.topk_compared = self.topk_ids_equal = self.topk_logprobs_equal = self.topk_only_a = self.topk_only_b = 0
         # RL mismatch. d = b - a is 0 on every row whose bits agree, so only the differing rows are kept:
@@ -428,11 +429,12 @@ def _first_per_prompt(target: np.ndarray, rank: np.ndarray, pos: np.ndarray) -> 
     np.minimum.at(target, rank[starts], np.minimum.reduceat(pos, starts))
 
 
-def percentile(acc: Accumulator, total: int, q: float) -> int:
-    """Exact nearest-rank percentile of the integer ULP distances."""
+def percentile(acc: Accumulator, total: int, num: int, den: int) -> int:
+    """Exact nearest-rank quantile num/den of the integer ULP distances: the k-th smallest,
+    k = max(1, ceil(total * num / den)) in integers (a float 0.99 * total can land one rank off)."""
     if total == 0:
         return 0
-    rank = max(1, math.ceil(q * total))
+    rank = max(1, -(-total * num // den))
     cum = np.cumsum(acc.small_hist)
     if cum[-1] >= rank:
         return int(np.searchsorted(cum, rank))

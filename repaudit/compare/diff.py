@@ -80,10 +80,12 @@ def _merge(acc: Accumulator, sa: Iterator[Chunk], sb: Iterator[Chunk]) -> None:
             nxt = next(sa, None)
             done_a = nxt is None
             buf_a = _EMPTY if done_a else nxt
+            acc.digest_rows_a += _digests_held(buf_a)
         if not done_b and not len(buf_b):
             nxt = next(sb, None)
             done_b = nxt is None
             buf_b = _EMPTY if done_b else nxt
+            acc.digest_rows_b += _digests_held(buf_b)
         if not len(buf_a) and not len(buf_b) and done_a and done_b:
             return
         if same_keys(buf_a, buf_b):  # the usual case: both files cut into batches at the same rows
@@ -100,6 +102,13 @@ def _merge(acc: Accumulator, sa: Iterator[Chunk], sb: Iterator[Chunk]) -> None:
         a_now, b_now = buf_a.take(slice(0, cut_a)), buf_b.take(slice(0, cut_b))
         buf_a, buf_b = buf_a.take(slice(cut_a, None)), buf_b.take(slice(cut_b, None))
         _align(acc, _fix_digest(a_now, b_now), _fix_digest(b_now, a_now))
+
+
+def _digests_held(c: Chunk) -> int:
+    """Rows of a chunk as read from its file (matched or not) that hold a row digest."""
+    if c.digest is None:
+        return 0
+    return len(c) if c.digest_ok is None else int(np.count_nonzero(c.digest_ok))
 
 
 def _fix_digest(c: Chunk, other: Chunk) -> Chunk:
@@ -181,10 +190,11 @@ def _finish(acc: Accumulator, a: RecordMeta, b: RecordMeta, union: list[str], th
         nan_vs_number=acc.nan_vs_number, nan_payload_differs=acc.nan_payload,
         ulp_max=int(max(x.max() for x in acc.large)) if acc.large else int(np.flatnonzero(acc.small_hist)[-1]) if numeric else 0,
         ulp_mean=acc.ulp_total / numeric if numeric else 0.0,
-        ulp_p50=percentile(acc, numeric, 0.50), ulp_p99=percentile(acc, numeric, 0.99),
+        ulp_p50=percentile(acc, numeric, 1, 2), ulp_p99=percentile(acc, numeric, 99, 100),
         abs_max=acc.abs_max, abs_mean=acc.abs_total.mean(numeric), prob_max=acc.prob_max,
         digest_compared=acc.digest_compared, digest_equal=acc.digest_equal,
         digest_only_a=acc.digest_only_a, digest_only_b=acc.digest_only_b,
+        digest_rows_a=acc.digest_rows_a, digest_rows_b=acc.digest_rows_b,
         top1_compared=acc.top1_compared, top1_equal=acc.top1_equal,
         top1_only_a=acc.top1_only_a, top1_only_b=acc.top1_only_b,
         topk_compared=acc.topk_compared, topk_ids_equal=acc.topk_ids_equal,
@@ -205,12 +215,14 @@ _CANNOT = {"row digests": "cannot prove the distributions equal", "top-1 ids": "
 def _one_sided(r: DiffResult) -> list[str]:
     out = []
     for what, compared, only_a, only_b in r.coverage:
-        if not one_sided_gap(what, compared, only_a, only_b):
+        if not one_sided_gap(what, compared, only_a, only_b, r.digest_rows):
             continue
         for side, other, n, n_other in (("A", "B", only_a, only_b), ("B", "A", only_b, only_a)):
             if not n:
                 continue
-            if compared or n_other:
+            # Row digests the other record holds only on rows this one lacks: they are not "none".
+            elsewhere = what == "row digests" and bool(r.digest_rows[1 if side == "A" else 0])
+            if compared or n_other or elsewhere:
                 out.append(f"{n} positions hold {what} in record {side} only; {_CANNOT[what]} there")
             else:
                 out.append(f"record {other} has no {what} ({side} has them at {n} positions); {_CANNOT[what]}")

@@ -1,6 +1,7 @@
 """Human-readable views of a diff: a rich table for the terminal and a Markdown page.
 
-Rates are truncated, never rounded up: 100% means every row, and 99.99% means not all.
+Rates are truncated, never rounded up: 100% means every row, and 99.99% means not all; 0.00%
+means none, and a rate above zero but under 0.01% reads "<0.01%".
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ def pct(num: int, den: int) -> str:
     if num == den:
         return "100%"
     basis_points = 10000 * num // den  # integer floor: a float quotient can round up to 100.00%
+    if basis_points == 0 and num:
+        return "<0.01%"
     return f"{basis_points // 100}.{basis_points % 100:02d}%"
 
 

@@ -131,6 +131,10 @@ class DiffResult:
     digest_equal: int = 0
     digest_only_a: int = 0  # rows of a shared context with a digest in A and none in B
     digest_only_b: int = 0
+    # Rows of each whole record, matched or not, that hold a row digest (None: a stored diff made
+    # before they were counted). A record with none is one whose engine never sees the logits row.
+    digest_rows_a: int | None = None
+    digest_rows_b: int | None = None
     top1_compared: int = 0
     top1_equal: int = 0
     top1_only_a: int = 0
@@ -181,6 +185,10 @@ class DiffResult:
                 ("top-k lists", self.topk_compared, self.topk_only_a, self.topk_only_b)]
 
     @property
+    def digest_rows(self) -> tuple[int | None, int | None]:
+        return self.digest_rows_a, self.digest_rows_b
+
+    @property
     def not_compared(self) -> list[str]:
         """What could not be compared, as phrases (JSON `not_compared`)."""
         out = []
@@ -219,7 +227,7 @@ class DiffResult:
             and self.digest_equal == self.digest_compared
             and self.top1_equal == self.top1_compared
             and self.topk_ids_equal == self.topk_logprobs_equal == self.topk_compared
-            and not any(one_sided_gap(*c) for c in self.coverage)
+            and not any(one_sided_gap(*c, self.digest_rows) for c in self.coverage)
             and all(p.token_match for p in self.prompts)
         )
 
@@ -242,7 +250,8 @@ class DiffResult:
                 "abs_mean": json_float(self.abs_mean), "prob_max": json_float(self.prob_max),
             },
             "digest": {"compared": self.digest_compared, "equal": self.digest_equal, "equal_rate": self.digest_equal_rate,
-                       "only_a": self.digest_only_a, "only_b": self.digest_only_b},
+                       "only_a": self.digest_only_a, "only_b": self.digest_only_b,
+                       "record_rows_a": self.digest_rows_a, "record_rows_b": self.digest_rows_b},
             "top1": {"compared": self.top1_compared, "equal": self.top1_equal, "agreement": self.top1_agreement,
                      "only_a": self.top1_only_a, "only_b": self.top1_only_b},
             "topk": {"k_a": self.a.topk, "k_b": self.b.topk, "compared": self.topk_compared,
@@ -313,11 +322,18 @@ def cell_differences(a: dict[str, Any], b: dict[str, Any]) -> list[tuple[str, An
     return [(k, a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if k != "id" and a.get(k) != b.get(k)]
 
 
-def one_sided_gap(what: str, compared: int, only_a: int, only_b: int) -> bool:
+def one_sided_gap(what: str, compared: int, only_a: int, only_b: int,
+                  digest_rows: tuple[int | None, int | None] = (None, None)) -> bool:
     """Whether a column held by one record only counts against the pair. It does, so that a missing
     column is never taken as equal, except row digests missing from a whole record: an engine that
     never sees the full logits row (vLLM) records none, and a trainer-versus-rollout pair is then
-    judged on every column both hold (diff lists the digests under not_compared)."""
+    judged on every column both hold (diff lists the digests under not_compared). Whole means
+    every row of the record, matched or not (digest_rows: rows of A, of B holding a digest): a
+    record with digests on rows the other record lacks is not one whose engine cannot make them.
+    Where those counts are unknown (None), the rows compared decide."""
     if not (only_a or only_b):
         return False
-    return not (what == "row digests" and compared == 0 and not (only_a and only_b))
+    if what != "row digests" or compared or (only_a and only_b):
+        return True
+    lacking = digest_rows[1] if only_a else digest_rows[0]
+    return bool(lacking)

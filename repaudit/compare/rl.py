@@ -42,16 +42,19 @@ def rl_metrics(acc: Accumulator, clip: tuple[float, float]) -> RLMetrics:
 
 
 def _nearest_ranks(d: np.ndarray, zeros: int, quantiles: list[tuple[int, int]]) -> list[float]:
-    """Nearest-rank quantiles num/den (0/1 is the minimum) of d together with `zeros` more zeros: the k-th
-    smallest with k = max(1, ceil(n * num / den)), in integers."""
+    """Nearest-rank quantiles num/den (0/1 is the minimum) of d together with `zeros` more (+0.0) zeros:
+    the k-th smallest with k = max(1, ceil(n * num / den)), in integers, -0.0 ordered before +0.0 so
+    that a quantile that lands on a zero keeps the sign of the zero it lands on."""
     n = len(d) + zeros
     ranks = [max(1, -(-n * num // den)) for num, den in quantiles]
     below = int(np.count_nonzero(d < 0))
-    zero_end = below + zeros + int(np.count_nonzero(d == 0))
-    # In the sorted whole: d's negatives, then every zero, then d's positives (index shifted by `zeros`).
+    is_zero = d == 0
+    neg_end = below + int(np.count_nonzero(np.signbit(d[is_zero])))
+    zero_end = below + zeros + int(np.count_nonzero(is_zero))
+    # In the sorted whole: d's negatives, its -0.0s, then every +0.0, then d's positives (index shifted by `zeros`).
     where = [r - 1 if r <= below else None if r <= zero_end else r - 1 - zeros for r in ranks]
     picked = np.partition(d, sorted({i for i in where if i is not None})) if any(i is not None for i in where) else d
-    return [0.0 if i is None else float(picked[i]) for i in where]
+    return [(-0.0 if r <= neg_end else 0.0) if i is None else float(picked[i]) for i, r in zip(where, ranks)]
 
 
 # Element-wise work over d goes block by block, so that a block's intermediate values stay in the CPU

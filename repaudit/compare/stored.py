@@ -22,8 +22,10 @@ from .result import DiffResult, PromptDiff, RLMetrics, Thresholds
 
 FILE = "comparison.json"
 # The diff's rules, not only its inputs, decide the numbers: a stored diff made under other rules
-# (version 1: before completion rows missing from one record counted as divergence) is made again.
-VERSION = 2
+# (version 1: before completion rows missing from one record counted as divergence; version 2:
+# before row digests missing from the compared rows were told from those missing from the whole
+# record) is made again.
+VERSION = 3
 
 
 def _encode(value: Any) -> Any:

@@ -129,7 +129,10 @@ def build_table(
     if n and pos_a.min() < 0:
         raise InputError(f"pos must be >= 0 (got {int(pos_a.min())})")
 
-    uniq, codes = np.unique(ids.astype(str), return_inverse=True)
+    # Python strings, not numpy's fixed-width str: that drops trailing NULs, so "a\0" would be "a".
+    uniq = sorted(set(ids.tolist()))
+    code_of = {p: i for i, p in enumerate(uniq)}
+    codes = np.fromiter((code_of[p] for p in ids.tolist()), dtype=np.int64, count=n)
     order = np.lexsort((pos_a, codes))
     codes, pos_sorted = codes[order], pos_a[order]
     dup = (codes[1:] == codes[:-1]) & (pos_sorted[1:] == pos_sorted[:-1])
@@ -150,7 +153,7 @@ def build_table(
         else pa.array(_as_array("row_digest", row_digest, np.uint64, n)[order])
     )
     columns = [
-        pa.DictionaryArray.from_arrays(pa.array(codes.astype(np.int32)), pa.array(uniq.tolist(), pa.string())),
+        pa.DictionaryArray.from_arrays(pa.array(codes.astype(np.int32)), pa.array(uniq, pa.string())),
         pa.array(pos_sorted),
         pa.DictionaryArray.from_arrays(pa.array(phase_codes), pa.array(list(PHASES), pa.string())),
         pa.array(tok_a[order]),

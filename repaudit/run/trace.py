@@ -26,9 +26,9 @@ its few rows' hashing. That reads an output after its module returned, so one ch
 later in the step would be digested changed: the graph's warm-up forward (warming()) digests
 each module's output at its hook and deferred, once per output layout, and a module whose two
 digests differ, or whose output's version counter moved, is digested at its hook from then on
-(with a warning). The capture runs
-the warm-up's code (no host branch on the device's values); where outputs have a version
-counter (not under inference mode) a change the warm-up did not see fails the capture.
+(with a warning). The capture runs the warm-up's code (no host branch on the device's values);
+where outputs have a version counter (not under inference mode) a change the warm-up did not
+see fails the capture.
 
 A mixture-of-experts layer's fused experts module is called with the router's choice
 (hidden, top_k_index, top_k_weights), whatever router made it: its pre-hook records, per real
@@ -419,16 +419,16 @@ class Tracer:
         return kept
 
     def _tokens(self) -> tuple[list[str], tuple[np.ndarray, np.ndarray], list[np.ndarray], bool]:
-        """The traced tokens (prompt, position): the sorted prompt ids, each token's (prompt code,
-        position), per forward the token of each of its rows, and whether no token is in two
-        forwards."""
-        pids = np.concatenate([p for p, _ in self._keys]).astype(str)
+        """The traced tokens (prompt, position): the sorted prompt ids, each token's (prompt code, position),
+        per forward the token of each of its rows, and whether no token is in two forwards."""
+        pids = np.concatenate([p for p, _ in self._keys]).tolist()
         pos = np.concatenate([q for _, q in self._keys]).astype(np.int64)
-        prompts, code = np.unique(pids, return_inverse=True)
+        prompts = sorted(set(pids))  # Python strings: numpy's fixed-width str drops trailing NULs
+        code = np.fromiter(map({p: i for i, p in enumerate(prompts)}.__getitem__, pids), np.int64, len(pids))
         span = int(pos.max()) + 1 if len(pos) else 1
-        tokens, token = np.unique(code.astype(np.int64) * span + pos, return_inverse=True)
+        tokens, token = np.unique(code * span + pos, return_inverse=True)
         split = np.cumsum([len(q) for _, q in self._keys])[:-1]
-        return (prompts.tolist(), ((tokens // span).astype(np.int32), (tokens % span).astype(np.int32)),
+        return (prompts, ((tokens // span).astype(np.int32), (tokens % span).astype(np.int32)),
                 np.split(token, split), len(tokens) == len(pos))
 
     def _find_rank_disagreements(self, calls, js, digest, bounds, module_rows, token, prompts, code, pos) -> None:
