@@ -17,10 +17,8 @@ source benchmarks/gpu_setup.sh
 export CUDA_VISIBLE_DEVICES=0
 
 step "pytest: attention, digest kernels, trace and decode graphs"
-timeout "${TEST_BUDGET:-240}" python3 -m pytest -q -p no:cacheprovider -o addopts="" -rs tests/test_tbik_gpu.py \
-  tests/test_digest_kernel.py tests/test_trace.py tests/test_hf_decode.py -k "attention or gpu or graph or GPU" \
-  > "$OUT/pytest.log" 2>&1
-echo "exit $?" >> "$OUT/pytest.log"; tail -n 2 "$OUT/pytest.log"
+pytest_gpu "attention or gpu or graph or GPU" tests/test_tbik_gpu.py tests/test_digest_kernel.py tests/test_trace.py \
+  tests/test_hf_decode.py
 
 step "records: tbik TP=1 cells against the committed ones"
 old=$(mktemp -d)

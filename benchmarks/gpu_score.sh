@@ -34,10 +34,8 @@ lane0() {
 }
 gpu_tests() {
   step "pytest: record values, grouped head, fused norms, graph replays"
-  timeout "${TEST_BUDGET:-200}" python3 -m pytest -q -p no:cacheprovider -o addopts="" -rs tests/test_row_values.py \
-    tests/test_hf_head.py tests/test_hf_decode.py tests/test_tbik_gpu.py -k "gpu or graph or rope or rms_norm" \
-    > "$OUT/pytest.log" 2>&1
-  echo "exit $?" >> "$OUT/pytest.log"; tail -n 2 "$OUT/pytest.log"
+  TEST_BUDGET=${TEST_BUDGET:-200} pytest_gpu "gpu or graph or rope or rms_norm" tests/test_row_values.py \
+    tests/test_hf_head.py tests/test_hf_decode.py tests/test_tbik_gpu.py
 }
 lane1() {
   export CUDA_VISIBLE_DEVICES=${LANE1_GPU:-1}

@@ -17,10 +17,8 @@ source benchmarks/gpu_setup.sh
 export CUDA_VISIBLE_DEVICES=0
 
 step "pytest: tbik kernels, digest kernels, decode graphs"
-timeout "${TEST_BUDGET:-240}" python3 -m pytest -q -p no:cacheprovider -o addopts="" -rs tests/test_tbik_gpu.py \
-  tests/test_digest_kernel.py tests/test_hf_decode.py -k "${TESTS_K:-gpu or graph or GPU or tiles or matmul or rows or attention}" \
-  > "$OUT/pytest.log" 2>&1
-echo "exit $?" >> "$OUT/pytest.log"; tail -n 2 "$OUT/pytest.log"
+pytest_gpu "${TESTS_K:-gpu or graph or GPU or tiles or matmul or rows or attention}" tests/test_tbik_gpu.py \
+  tests/test_digest_kernel.py tests/test_hf_decode.py
 
 step "tree matmul: tiles at decode shapes"
 QWEN06="q:2048:1024,kv:1024:1024,o:1024:2048,gate:3072:1024,down:1024:3072,qkv:4096:1024,gate_up:6144:1024"
