@@ -65,9 +65,9 @@ _CONFIGS = {
 # wgmma height, so narrower tiles are the only way to more programs: a 1,024-wide projection
 # has 32 tiles 32 wide instead of 8 before any K split. More tiles than SMs would run a second
 # wave (gate/up, 6,144 wide: 10.7 us at 32 rows with 32-wide tiles, 8.8 with 128-wide).
-# CUDA-graph sweep on Qwen3-0.6B's linear shapes (reports/kernels/h200-small-m): q/k/v/o/down
-# at 32 rows 4.8-7.3 us against 7.1-8.1 us with 64x128 tiles, at 256 rows 7.0-9.3 against
-# 10.0-12.5 us. Same bits: see the module docstring.
+# CUDA-graph sweep on Qwen3-0.6B's linear shapes (reports/kernels/h200-small-m/call3-final):
+# q/k/v/o/down at 32 rows 4.9-7.1 us against 7.1-8.1 us with 64x128 tiles, at 256 rows 7.0-9.3
+# against 9.9-12.4 us. Same bits: see the module docstring.
 _FEW_ROWS = {
     dtype: ((64, dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=4, REG_LEVELS=2, TMA=True)),
             (256, dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4, REG_LEVELS=2, TMA=True)))
