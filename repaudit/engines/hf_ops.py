@@ -21,8 +21,9 @@ import tbik
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """nn.Linear under tbik's aten override: x [..., K] @ weight[N, K].T (+ bias, joined in fp32).
 
-    tbik's tiles never depend on M or N, so a fused projection (vLLM's qkv_proj, gate_up_proj,
-    a rank's column shard) gives each output column the bits of transformers' separate layer.
+    tbik's bits never depend on M or N (nor on the tiles picked for them), so a fused projection
+    (vLLM's qkv_proj, gate_up_proj, a rank's column shard) gives each output column the bits of
+    transformers' separate layer.
     """
     x2 = x.reshape(-1, x.shape[-1])
     out = tbik.tree_matmul(x2, weight.t(), bias, num_chunks=tbik.NUM_CHUNKS)
