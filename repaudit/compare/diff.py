@@ -220,9 +220,9 @@ def _one_sided(r: DiffResult) -> list[str]:
         for side, other, n, n_other in (("A", "B", only_a, only_b), ("B", "A", only_b, only_a)):
             if not n:
                 continue
-            # Row digests the other record holds only on rows this one lacks: they are not "none".
-            elsewhere = what == "row digests" and bool(r.digest_rows[1 if side == "A" else 0])
-            if compared or n_other or elsewhere:
+            # Row digests count here only when the other record holds some elsewhere (one_sided_gap),
+            # so they are never "none".
+            if compared or n_other or what == "row digests":
                 out.append(f"{n} positions hold {what} in record {side} only; {_CANNOT[what]} there")
             else:
                 out.append(f"record {other} has no {what} ({side} has them at {n} positions); {_CANNOT[what]}")
