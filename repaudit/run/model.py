@@ -75,19 +75,35 @@ def load_tokenizer(ref: ModelRef, trust_remote_code: bool):
 
 def stop_ids(path: str | os.PathLike, tok) -> tuple[int, ...]:
     """The token ids a generation ends at, the same for every engine: the tokenizer's EOS and
-    every EOS id of the model's generation_config.json. transformers' generate() stops at the
-    generation config's ids, and vLLM adds them to every request's stop ids whatever the request
-    asks; a chat model often lists two (end of turn, end of text), and an engine that stopped at
+    every EOS id of the model's generation config (generation_config.json, or config.json's
+    where there is none). transformers' generate() stops at the generation config's ids, and
+    vLLM adds them to every request's stop ids whatever the request asks; a chat model often lists two (end of turn, end of text), and an engine that stopped at
     one only would run past the other and differ from the rest in length, not in numbers."""
     ids = {int(tok.eos_token_id)} if tok.eos_token_id is not None else set()
     config = Path(path) / "generation_config.json"
+    eos = None
     if config.is_file():
-        try:
-            eos = json.loads(config.read_text()).get("eos_token_id")
-        except (OSError, ValueError) as exc:
-            raise InputError(f"{config}: not readable as JSON ({exc})") from None
-        ids.update(int(i) for i in ([eos] if isinstance(eos, int) else eos or []) if i is not None)
+        eos = _json(config).get("eos_token_id")
+    elif (Path(path) / "config.json").is_file():
+        # Without generation_config.json, generate() (and vLLM) take the generation config from
+        # config.json (GenerationConfig.from_model_config): its eos_token_id, else its decoder's.
+        model = _json(Path(path) / "config.json")
+        eos = model.get("eos_token_id")
+        if eos is None:
+            inner = next((model[k] for k in ("decoder", "generator", "text_config") if model.get(k)), None)
+            eos = inner.get("eos_token_id") if isinstance(inner, dict) else None
+    ids.update(int(i) for i in ([eos] if isinstance(eos, int) else eos or []) if i is not None)
     return tuple(sorted(ids))
+
+
+def _json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise InputError(f"{path}: not readable as JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise InputError(f"{path}: not a JSON object")
+    return data
 
 
 def tokenizer_meta(tok, model_id: str) -> dict[str, Any]:
