@@ -712,3 +712,19 @@ def test_prompt_ids_that_differ_only_by_trailing_nuls_stay_apart(tmp_path):
     assert sorted(pq.read_table(pa_).column("prompt_id").to_pylist()) == ["a", "a\x00"]
     r = diff_records(pa_, pa_)
     assert [p.prompt_id for p in r.prompts] == ["a", "a\x00"] and r.matched == 2 and r.identical
+
+
+def test_a_prompt_on_one_side_only_has_no_token_divergence(tmp_path):
+    # Its rows all look unmatched to the merge, which used to give it the position of its first completion
+    # row (pos 4 here, past a prompt row) as a "first token divergence", but null when all its rows were
+    # prompt rows. There is only one sequence, so there is no fork: null either way.
+    a = _side({"s": [(0, 1, M2), (1, 2, M2)], "only": [(3, 7, M2), (4, 8, M2), (5, 9, M2)],
+               "prompt-only": [(0, 5, M2)]}, prompt_len={"only": 4, "prompt-only": 1})
+    b = _side({"s": [(0, 1, M2), (1, 2, M2)]})
+    r = diff_records(a.write(tmp_path / "a.parquet"), b.write(tmp_path / "b.parquet"), allow_partial=True)
+    one_sided = {p["prompt_id"]: p for p in r.to_dict()["prompts"] if not p["in_b"]}
+    assert sorted(one_sided) == ["only", "prompt-only"]
+    for p in one_sided.values():
+        assert (p["first_token_divergence"], p["first_logprob_divergence"], p["token_match"]) == (None, None, False)
+    assert (one_sided["only"]["rows_a"], one_sided["only"]["rows_b"], one_sided["only"]["matched"]) == (3, 0, 0)
+    assert r.passed and not r.identical and r.seq_token_match_rate == 1.0

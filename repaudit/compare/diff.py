@@ -166,6 +166,10 @@ def _finish(acc: Accumulator, a: RecordMeta, b: RecordMeta, union: list[str], th
     prompts = []
     for i, pid in enumerate(union):
         tdiv, bdiv = int(acc.token_div[i]), int(acc.bits_div[i])
+        if pid not in in_a or pid not in in_b:
+            # The merge saw this prompt's rows as unmatched and gave it the position of its first completion
+            # row (or none, if all were prompt rows): no fork of two sequences, since there is one.
+            tdiv = NO_DIVERGENCE
         prompts.append(
             PromptDiff(
                 prompt_id=pid, in_a=pid in in_a, in_b=pid in in_b,
