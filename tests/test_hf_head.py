@@ -16,6 +16,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from repaudit.engines import hf, hf_head  # noqa: E402
+from repaudit.engines.base import Sequence  # noqa: E402
 from repaudit.engines.row_values import row_values  # noqa: E402
 from repaudit.run.kernelmodes import kernel_mode  # noqa: E402
 
@@ -71,8 +72,9 @@ def _chunkwise(hfm: hf.HFModel, hidden: torch.Tensor, seqs: list[list[int]], top
     parts = []
     for b, seq in enumerate(seqs):
         n = len(seq)
-        for i in range(0, n - 1, hf_head.LOGIT_ROWS_PER_CHUNK):
-            j = min(i + hf_head.LOGIT_ROWS_PER_CHUNK, n)
+        step = n if n <= hf_head.LOGIT_ROWS_PER_CHUNK + 1 else hf_head.LOGIT_ROWS_PER_CHUNK
+        for i in range(0, n - 1, step):
+            j = min(i + step, n)
             kept = min(j, n - 1) - i
             logits = hf_head.model_logits(hfm.model, hidden[b, i:j][None])[0].float()
             lp = hfm.log_softmax(logits)
@@ -115,3 +117,20 @@ def test_tbik_log_softmax_writes_out_with_its_own_bits(device):
     assert torch.isnan(out[:4]).all() and torch.isnan(out[8:]).all()
     with pytest.raises(ValueError, match="out= must be"):
         tbik.log_softmax(x, -1, out=out)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "granite"])
+def test_a_sequence_one_row_longer_than_a_chunk_runs_as_one_gemm(model_type, tmp_path, monkeypatch):
+    """A sequence of LOGIT_ROWS_PER_CHUNK + 1 tokens has LOGIT_ROWS_PER_CHUNK rows to record, and
+    runs through the head as one GEMM of all its rows, as model(ids) does (docs/engine.md: only
+    longer ones go in chunks). It used to run its recorded rows only, a GEMM one row short; on CPU
+    a 3-row product's bits are not a 4-row one's, so chunks of 3 rows show it with 4 tokens."""
+    hfm = _load(model_type, tmp_path)
+    monkeypatch.setattr(hf_head, "LOGIT_ROWS_PER_CHUNK", 3)
+    seq = [11, 500, 27, 930]
+    assert [c[1:3] for c in hf_head.head_plan([seq], torch.device("cpu")).chunks] == [(0, 4)]
+    with torch.inference_mode():
+        logits = hfm.model(torch.tensor([seq])).logits.float()[0]
+    lp = torch.log_softmax(logits, -1)[torch.arange(3), torch.tensor(seq[1:])]
+    (rows,), _ = hf.score(hfm, [Sequence("s", tuple(seq[:2]), tuple(seq[2:]), 0)], topk=0)
+    assert np.array_equal(rows.logprob.view(np.uint32), lp.numpy().view(np.uint32))

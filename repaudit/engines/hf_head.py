@@ -4,7 +4,7 @@ log-softmax and the values a record keeps of each row, and those values on the h
 A row's bits depend on how many rows go through lm_head's GEMM together (CPU and GPU libraries
 pick kernels and blockings by M; on CPU a 1-row product differs from the same row inside a
 2-row one). So the head runs as the model's forward on ONE sequence does: a sequence's rows as
-one [1, n, H] GEMM (a sequence longer than LOGIT_ROWS_PER_CHUNK in chunks of that many rows:
+one [1, n, H] GEMM (a sequence longer than LOGIT_ROWS_PER_CHUNK + 1 in chunks of that many rows:
 see head_plan), a decode step's B rows as one GEMM of B rows as generate() does at batch B.
 The records then equal `model(ids)` on that sequence alone, and a sequence's logits do not
 depend on what else is in the batch.
@@ -202,8 +202,10 @@ def head_plan(seqs: list[list[int]], device: torch.device) -> HeadPlan:
         n = len(seq)
         if n < 2:
             raise ValueError(f"a sequence of {n} token(s) has no row to record")
-        for i in range(0, n - 1, LOGIT_ROWS_PER_CHUNK):
-            j = min(i + LOGIT_ROWS_PER_CHUNK, n)
+        # n - 1 rows to record fit one chunk: all n rows go in it, as model(ids) runs them.
+        step = n if n <= LOGIT_ROWS_PER_CHUNK + 1 else LOGIT_ROWS_PER_CHUNK
+        for i in range(0, n - 1, step):
+            j = min(i + step, n)
             kept = min(j, n - 1) - i
             chunks.append((b, i, j, kept))
             starts.append(at)
