@@ -265,12 +265,14 @@ def generate(hfm: HFModel, batch: list[Sequence], topk: int) -> tuple[list[Token
     t1 = time.perf_counter()
     for n in range(1, max_new + 1):  # step n's values are each row's n-th generated token
         steps.append(step)
+        # As generate() does, a row's last token (its stop id) is fed once, and a pad token after
+        # it: their rows are not recorded, but what they feed moves other rows' bits where rows
+        # share work by content (a mixture of experts routes each token).
+        feed = torch.where(done, hfm.pad_id, step["chosen"])[:, None]
         gen_len += ~done
         done |= torch.isin(step["chosen"], stop) | (gen_len >= limits)
         if n == max_new or (n % DONE_CHECK_EVERY == 0 and bool(done.all())):
             break
-        # Finished rows keep decoding a pad token, as generate() does; their rows are not recorded.
-        feed = torch.where(done, hfm.pad_id, step["chosen"])[:, None]
         positions = positions[:, -1:] + 1
         slot = T + n - 1  # the cache slot this step's token goes to
         if decode == "dynamic":
@@ -281,7 +283,7 @@ def generate(hfm: HFModel, batch: list[Sequence], topk: int) -> tuple[list[Token
             step_mask = hf_decode.static_mask(hfm.model, mask, cache, 1)
         else:
             step_mask = hf_decode.advance_mask(step_mask, slot)
-        if hfm.tracer is not None:  # the rows that feed a real token; a finished row feeds a pad
+        if hfm.tracer is not None:  # the rows whose step makes a recorded row
             hfm.tracer.begin_step(traced_ids, positions[:, -1], ~done)
         step = graphed(feed, step_mask, positions) if graphed is not None else eager_step(feed, step_mask, positions)
         if hfm.tracer is not None:
