@@ -234,11 +234,12 @@ def test_rows_end_at_their_first_stop_id_with_the_bits_of_a_run_without_one(tiny
 
 
 @pytest.mark.parametrize("model_type", ["olmoe", "qwen2_moe"])
-def test_a_finished_row_feeds_what_generate_feeds_it(model_type, tmp_path):
-    """A row that ends feeds its stop id once, then pad tokens, as generate() does. Its own rows
-    are not recorded, but in a mixture of experts its tokens share the experts' GEMMs with the
-    other rows: feeding a pad in place of the stop id (as the engine did) moved the other rows'
-    logprobs away from generate()'s (here, in the steps after the first row ends)."""
+def test_finished_rows_feed_what_generate_feeds_them(model_type, tmp_path):
+    """The records of a batch whose rows end at different steps (a stop id, their own token
+    limits) are model.generate()'s over the batch with its largest limit, each row cut where it
+    ends. A finished row's own rows are not recorded, but in a mixture of experts the tokens it
+    feeds share the experts' GEMMs with the other rows: feeding a pad in place of a stop id, or
+    pads past a row's own limit (as the engine did), moved the other rows' logprobs."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     cfg = AutoConfig.for_model(model_type, vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -254,28 +255,32 @@ def test_a_finished_row_feeds_what_generate_feeds_it(model_type, tmp_path):
     hfm = hf.load(str(tmp_path), dtype="float32", device="cpu", tp=1, stop_ids=(), pad_id=0)
     g = np.random.default_rng(0)
     new = 6
-    batch = [Sequence(f"p{i}", tuple(g.integers(3, 512, n).tolist()), None, new) for i, n in enumerate([9, 3, 5, 12, 7])]
-    free, _ = hf.generate(hfm, batch, topk=0)
+    prompts = [tuple(g.integers(3, 512, n).tolist()) for n in [9, 3, 5, 12, 7]]
+    free, _ = hf.generate(hfm, [Sequence(f"p{i}", p, None, new) for i, p in enumerate(prompts)], topk=0)
     hfm.stop_ids = (int(free[0].token_id[1]),)  # the first row ends at its second token
-    rows, _ = hf.generate(hfm, batch, topk=0)
+    limits = [new, 2, new, 4, new]
 
-    T = max(len(s.prompt) for s in batch)
-    ids = torch.zeros((len(batch), T), dtype=torch.long)
+    T = max(map(len, prompts))
+    ids = torch.zeros((len(prompts), T), dtype=torch.long)
     mask = torch.zeros_like(ids)
-    for b, s in enumerate(batch):
-        ids[b, T - len(s.prompt):] = torch.tensor(s.prompt)
-        mask[b, T - len(s.prompt):] = 1
+    for b, p in enumerate(prompts):
+        ids[b, T - len(p):] = torch.tensor(p)
+        mask[b, T - len(p):] = 1
     config = GenerationConfig(max_new_tokens=new, do_sample=False, pad_token_id=0, eos_token_id=list(hfm.stop_ids))
     with torch.inference_mode():
         out = hfm.model.generate(input_ids=ids, attention_mask=mask, generation_config=config, output_logits=True,
                                  return_dict_in_generate=True)
-    assert len(rows[0].pos) == 2 and max(len(r.pos) for r in rows) == new
-    for b, r in enumerate(rows):
-        n = len(r.pos)
-        tokens = out.sequences[b, T : T + n]
-        want = torch.log_softmax(torch.stack([step[b] for step in out.logits[:n]]).float(), -1)[torch.arange(n), tokens]
-        assert np.array_equal(r.token_id, tokens.numpy()), r.prompt_id
-        assert np.array_equal(r.logprob.view(np.uint32), want.numpy().view(np.uint32)), r.prompt_id
+    for cut in (False, True):  # rows that end at a stop id; and some at their own limits too
+        batch = [Sequence(f"p{i}", p, None, limits[i] if cut else new) for i, p in enumerate(prompts)]
+        rows, _ = hf.generate(hfm, batch, topk=0)
+        assert [len(r.pos) for r in rows] == ([2, 2, 6, 4, 6] if cut else [2, 6, 6, 6, 6])
+        for b, r in enumerate(rows):
+            n = len(r.pos)
+            tokens = out.sequences[b, T : T + n]
+            lp = torch.log_softmax(torch.stack([step[b] for step in out.logits[:n]]).float(), -1)
+            assert np.array_equal(r.token_id, tokens.numpy()), r.prompt_id
+            want = lp[torch.arange(n), tokens].numpy()
+            assert np.array_equal(r.logprob.view(np.uint32), want.view(np.uint32)), (cut, r.prompt_id)
 
 def test_a_generate_cell_that_stops_after_its_first_token_has_a_rate(tiny):
     """Every sequence ends on the token the prefill made: nothing decoded, but the cell generated

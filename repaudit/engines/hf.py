@@ -259,18 +259,21 @@ def generate(hfm: HFModel, batch: list[Sequence], topk: int) -> tuple[list[Token
     limits = torch.tensor([s.max_new_tokens for s in batch], device=hfm.device)
     stop = torch.tensor(hfm.stop_ids or (-1,), device=hfm.device)
     gen_len = torch.zeros(B, dtype=torch.long, device=hfm.device)  # generated tokens so far, per sequence
-    done = torch.zeros(B, dtype=torch.bool, device=hfm.device)
+    done = torch.zeros(B, dtype=torch.bool, device=hfm.device)  # recorded all its tokens
+    ended = torch.zeros(B, dtype=torch.bool, device=hfm.device)  # chose a stop id
     steps: list[dict[str, torch.Tensor]] = []
     step_mask = None
     t1 = time.perf_counter()
     for n in range(1, max_new + 1):  # step n's values are each row's n-th generated token
         steps.append(step)
-        # As generate() does, a row's last token (its stop id) is fed once, and a pad token after
-        # it: their rows are not recorded, but what they feed moves other rows' bits where rows
-        # share work by content (a mixture of experts routes each token).
-        feed = torch.where(done, hfm.pad_id, step["chosen"])[:, None]
+        # What a finished row feeds is never recorded, but it moves other rows' bits where rows
+        # share work by content (a mixture of experts routes each token), so it is what
+        # generate() over the batch with its largest limit feeds: a stop id once, pad tokens
+        # after it, and past a row's own limit its greedy tokens.
+        feed = torch.where(ended, hfm.pad_id, step["chosen"])[:, None]
         gen_len += ~done
-        done |= torch.isin(step["chosen"], stop) | (gen_len >= limits)
+        ended |= torch.isin(step["chosen"], stop)
+        done |= ended | (gen_len >= limits)
         if n == max_new or (n % DONE_CHECK_EVERY == 0 and bool(done.all())):
             break
         positions = positions[:, -1:] + 1
