@@ -139,7 +139,35 @@ def test_top1_is_the_lowest_id_of_a_tie_the_top_k_left_out(fake_vllm_logprob):
     assert vllm_capture.unpack(packed)["ids"].tolist() == [[1, 3, 2]]
     out = NS(request_id="a-12345678", prompt_token_ids=[5, 6], outputs=[NS(token_ids=[1])])
     row, = vllm_capture.rows_from_capture([out], packed, ["p"], [2], topk=2)
-    assert row.top1.tolist() == [1] and row.topk_ids.tolist() == [[2, 3]]
+    # the sampled token is the lowest tied id, so the list holds it too, as the transformers engine's
+    assert row.top1.tolist() == [1] and row.topk_ids.tolist() == [[1, 2]]
+
+
+def test_top1_is_taken_from_the_logprobs_where_two_logits_round_to_one_logprob(fake_vllm_logprob):
+    """Token 9's logit is one ulp above token 7's and both round to one logprob: greedy samples 9,
+    and the record's top1, the lowest id among the largest logprobs, is 7, as the transformers
+    engine records it (and top1 is topk_ids[0])."""
+    from repaudit.engines.row_values import row_values
+
+    class Sampler:
+        def __call__(self, logits, input_batch):
+            return NS(sampled_token_ids=logits.argmax(-1, keepdim=True), logprobs_tensors=None, num_sampled=None)
+
+    logits = torch.zeros(1, 4096)
+    logits[0, 7], logits[0, 9] = 1.0, torch.nextafter(torch.tensor(1.0), torch.tensor(2.0))
+    lp = torch.log_softmax(logits, -1)
+    assert lp[0, 7].item() == lp[0, 9].item()
+    want = row_values(logits, lp, torch.tensor([9]), 2)
+    worker = _worker(Sampler())
+    assert worker.repaudit_capture_begin(2)
+    Sampler()(logits, NS(req_ids=["a-12345678"]))
+    packed = worker.repaudit_capture_end()
+    out = NS(request_id="a-12345678", prompt_token_ids=[5, 6], outputs=[NS(token_ids=[9])])
+    row, = vllm_capture.rows_from_capture([out], packed, ["p"], [2], topk=2)
+    assert row.top1.tolist() == want["top1"].tolist() == [7]
+    assert row.topk_ids.tolist() == want["topk_ids"].tolist() == [[7, 9]]
+    assert row.topk_logprobs.view(np.uint32).tolist() == want["topk_lp"].numpy().view(np.uint32).tolist()
+    assert row.logprob.view(np.uint32).tolist() == want["logprob"].numpy().view(np.uint32).tolist()
 
 
 def test_the_hook_steps_aside_where_it_cannot_capture(fake_vllm_logprob):

@@ -160,6 +160,42 @@ def test_flat_vllm_logprobs_convert_to_rows_exactly():
     assert vllm_engine.rows_from_output(out, "p", prompt_len=2, topk=0, completion=False).topk_ids.shape == (2, 0)
 
 
+def _hf_values(logits, targets, topk):
+    """What the transformers engine records for these logits rows (engines/row_values.py)."""
+    import torch
+
+    from repaudit.engines.row_values import row_values
+
+    logits = torch.tensor(logits, dtype=torch.float32)
+    got = row_values(logits, torch.log_softmax(logits, -1), torch.tensor(targets), topk)
+    return {k: v.numpy() for k, v in got.items()}
+
+
+def test_a_tie_of_three_at_the_top_gives_the_transformers_engines_top1_and_top_k():
+    """Tokens 1, 2 and 3 share the largest logit and vLLM's top-2 names 3 and 2 (torch.topk on a
+    GPU may): the row's own token, greedy's argmax or a given token, is the lowest tied id, so the
+    record holds what the transformers engine holds for the row."""
+    import torch
+
+    logits = [[0.0, 2.0, 2.0, 2.0, 1.0]]
+    lp = [float(v) for v in torch.log_softmax(torch.tensor(logits), -1)[0]]
+    want = _hf_values(logits, [1], 2)
+    assert want["top1"].tolist() == [1] and want["topk_ids"].tolist() == [[1, 2]]
+    top2 = [(3, lp[3], 1), (2, lp[2], 2)]
+    out = vllm_engine.output_from_json({"prompt_token_ids": [5, 1], "prompt_logprobs": _flat([[], [(1, lp[1], 1)] + top2]),
+                                        "token_ids": [1], "logprobs": _flat([[(1, lp[1], 1)] + top2])})
+    for completion in (True, False):
+        rows = vllm_engine.rows_from_output(out, "p", prompt_len=2, topk=2, completion=completion)
+        assert rows.top1.tolist() == want["top1"].tolist() and rows.topk_ids.tolist() == want["topk_ids"].tolist()
+        assert rows.topk_logprobs.view(np.uint32).tolist() == want["topk_lp"].view(np.uint32).tolist()
+        assert rows.logprob.view(np.uint32).tolist() == want["logprob"].view(np.uint32).tolist()
+    # A given token below the tie leaves vLLM's tied pair as it is, in id order.
+    out = vllm_engine.output_from_json({"prompt_token_ids": [5, 4], "prompt_logprobs": _flat([[], [(4, lp[4], 4)] + top2]),
+                                        "token_ids": [], "logprobs": _flat([])})
+    rows = vllm_engine.rows_from_output(out, "p", prompt_len=1, topk=2, completion=False)
+    assert rows.top1.tolist() == [2] and rows.topk_ids.tolist() == [[2, 3]]
+
+
 def test_vllm_logprobs_that_do_not_match_the_sequence_are_refused():
     out = vllm_engine.output_from_json({
         "prompt_token_ids": [11, 12], "prompt_logprobs": _flat([[], [(77, -1.0, 3), (12, -0.5, 1), (13, -0.7, 2)]]),

@@ -51,6 +51,22 @@ def canonical_topk(ids: np.ndarray, lps: np.ndarray) -> tuple[np.ndarray, np.nda
     return np.take_along_axis(ids, order, -1), np.take_along_axis(lps, order, -1)
 
 
+def topk_with_own(own_ids: np.ndarray, own_lps: np.ndarray, ids: np.ndarray,
+                  lps: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """vLLM's top-k lists [n, k] with each row's own token (the sampled or given one, [n]) among
+    the candidates, in canonical order, k entries. vLLM's top-k may leave out a tied id that the
+    canonical list holds; the own token is one more value known exactly, and in a greedy row it
+    is the argmax, the lowest of the ids tied at the top, which three tied logits can keep out
+    of a top-2."""
+    dup = (ids == own_ids[:, None]).any(axis=1)
+    # A repeated own token sorts after everything (-inf, the largest id) and falls off the end.
+    extra_ids = np.where(dup, np.iinfo(np.int64).max, own_ids.astype(np.int64))
+    extra_lps = np.where(dup, np.float32(-np.inf), own_lps.astype(np.float32))
+    both_ids, both_lps = canonical_topk(np.concatenate([ids.astype(np.int64), extra_ids[:, None]], axis=1),
+                                        np.concatenate([lps.astype(np.float32), extra_lps[:, None]], axis=1))
+    return both_ids[:, :ids.shape[1]], both_lps[:, :ids.shape[1]]
+
+
 @dataclass
 class Timing:
     """Engine time only (forward passes and logits), never repaudit's own bookkeeping."""

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .base import TokenRows, canonical_topk
+from .base import TokenRows, topk_with_own
 
 EXTENSION = "repaudit.engines.vllm_capture.CaptureWorker"
 
@@ -63,8 +63,8 @@ def _sampling_with_capture(call):
             # looked up now, so a tbik cell gets the plugin's log-softmax).
             ids = torch.cat((first, torch.topk(logits, _state.k, dim=-1).indices), dim=1) if _state.k else first
             lps = logprob.compute_token_logprobs(logits, ids)
-            # The record's top1 is the lowest id among the row's largest values (argmax gives the
-            # first); the top-k's tied entries need not hold it when three or more tie at the top.
+            # Packed with the steps, but the rows no longer read it: the sampled token is this
+            # argmax, and rows_from_capture takes top1 from the logprobs of it and the top-k.
             top1 = logits.argmax(dim=-1)
         _state.steps.append((list(input_batch.req_ids), ids, lps, sampled, top1))
         _state.host_s += time.perf_counter() - t0
@@ -212,8 +212,10 @@ def rows_from_capture(outs: list, packed: dict, prompt_ids: list[str], prompt_le
     captured = unpack(packed)
     keep = captured["sampled"] > 0
     code, ids, lps = captured["code"][keep], captured["ids"][keep], captured["logprobs"][keep]
-    top_ids, top_lps = canonical_topk(ids[:, 1:], lps[:, 1:])  # every row at once
-    top1 = captured["top1"][keep] if "top1" in captured else top_ids[:, 0]
+    top_ids, top_lps = topk_with_own(ids[:, 0], lps[:, 0], ids[:, 1:], lps[:, 1:])  # every row at once
+    # Not the captured argmax: top1 is the lowest id among the largest logprobs, and two logits
+    # that differ can round to one logprob; the sampled token (the argmax) is among the candidates.
+    top1 = top_ids[:, 0]
     order = np.argsort(code, kind="stable")
     starts = np.searchsorted(code[order], np.arange(len(packed["req_ids"]) + 1))
     known = {o.request_id for o in outs}

@@ -59,7 +59,7 @@ import numpy as np
 
 from ..errors import InputError
 from . import vllm_capture
-from .base import Sequence, Timing, TokenRows, canonical_topk
+from .base import Sequence, Timing, TokenRows, topk_with_own
 
 INSTALL_HINT = "pip install 'repaudit[vllm]'"
 KERNEL_ENV = {
@@ -288,7 +288,7 @@ def rows_from_output(out, prompt_id: str, prompt_len: int, topk: int, completion
         first = 1
     if not (vals["token"] == token).all():
         raise RuntimeError(f"{prompt_id}: vLLM's logprob entries name other tokens than the sequence holds")
-    ids, lps = canonical_topk(vals["ids"], vals["lps"])
+    ids, lps = topk_with_own(vals["token"], vals["logprob"], vals["ids"], vals["lps"])
     return TokenRows(prompt_id=prompt_id, prompt_len=prompt_len, pos=np.arange(first, first + len(token), dtype=np.int32),
                      token_id=token.astype(np.int32), logprob=vals["logprob"], top1=ids[:, 0].astype(np.int32),
                      topk_ids=ids[:, :topk].astype(np.int32), topk_logprobs=lps[:, :topk], digest=None)
