@@ -316,6 +316,26 @@ def _eager_rms_norm(x, w, eps, residual=None):
     return w * (h * torch.rsqrt(tbik.mean_last_dim(h.pow(2), keepdim=True) + eps)).to(x.dtype), total
 
 
+@pytest.mark.parametrize("n", [64, 128, 200, 1024])
+def test_rms_norm_rows_per_program_do_not_move_bits(n, monkeypatch):
+    """The RMSNorm holds several narrow rows a program (16 per-head rows of 128); one row a
+    program gives the same bits for row counts on both sides of a program's rows, strided too."""
+    from tbik.tl import norm
+
+    x, res = _spread(611, n, dtype=torch.bfloat16, seed=n), _spread(611, n, dtype=torch.bfloat16, seed=n + 1)
+    w = (1 + 0.1 * _spread(n, dtype=torch.float32, seed=2)).to(torch.bfloat16)
+    qkv = _spread(37, 3 * 1024, dtype=torch.bfloat16, seed=5)
+    w_head = (1 + 0.1 * _spread(128, dtype=torch.float32, seed=3)).to(torch.bfloat16)
+    cases = [(x[:rows], w, None) for rows in (1, 2, 15, 16, 17, 611)] + [(x[:33], w, res[:33]),
+                                                                      (qkv[:, :1024].view(37, 8, 128), w_head, None)]
+    shipped = [tbik.rms_norm(a, weight, 1e-6, residual=r) for a, weight, r in cases]
+    monkeypatch.setattr(norm, "_ROW_ELEMENTS", 1)
+    for (a, weight, r), got in zip(cases, shipped):
+        want = tbik.rms_norm(a, weight, 1e-6, residual=r)
+        for g, wt in zip(got if r is not None else [got], want if r is not None else [want]):
+            assert_bits_equal(g, wt)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("n", [128, 1024, 1500, 4096])
 def test_rms_norm_gives_the_eager_ops_bits(n, dtype):

@@ -1,9 +1,9 @@
 """Batch-invariant RMSNorm and last-dim mean.
 
-One program per row, and the row is reduced in a fixed loop of BLOCK-wide slices into a
-vector accumulator, then a halving tree over the lanes (_halving_sum): the order depends on
-the row length alone, not on how many rows there are (stock reductions pick their split from
-the whole tensor's shape), nor on the layout Triton gives the accumulator.
+A row is reduced in a fixed loop of BLOCK-wide slices into a vector accumulator, then a halving
+tree over the lanes (_halving_sum): the order depends on the row length alone, not on how many
+rows there are or share a program (stock reductions pick their split from the whole tensor's
+shape), nor on the layout Triton gives the accumulator.
 
 The RMSNorm kernel gives, in one pass, the bits of the eager op sequence of transformers'
 Llama/Qwen RMSNorm with this file's mean: `h = x.float(); h.pow(2)`, the mean, `+ eps`,
@@ -23,6 +23,11 @@ import triton.language as tl
 from .launcher import CachedKernel
 
 _MAX_BLOCK = 1024
+# Elements a program of the RMSNorm holds at once (rows x BLOCK) where rows are at most
+# _NARROW wide (per-head q/k norms): 16 a thread at 4 warps. A wider row keeps a program to
+# itself: two 1,024-wide rows a program measured slower at decode row counts (norm_bench.py).
+_ROW_ELEMENTS = 2048
+_NARROW = 256
 
 
 def _block(n_cols: int) -> int:
@@ -50,32 +55,44 @@ def _row_sum(row_ptr, n_cols, ACC: tl.constexpr, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, rows_inner, n_cols, stride_xo, stride_xi, stride_r,
-                     stride_o, stride_s, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
-    # Rows of x may be two-level strided (vLLM's per-head q/k views of a fused qkv output).
-    row = tl.program_id(0).to(tl.int64)
+def _halving_sum_rows(acc, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """_halving_sum of each row of a [ROWS, BLOCK] accumulator: the same pairs added in the same
+    order, so a row's sum has the same bits however many rows share the program."""
+    for level in tl.static_range(BLOCK.bit_length() - 1):
+        acc = tl.sum(tl.reshape(acc, (ROWS, 2, BLOCK >> (level + 1))), axis=1)
+    return tl.sum(acc, axis=1)
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, n_rows, rows_inner, n_cols, stride_xo, stride_xi,
+                     stride_r, stride_o, stride_s, eps, HAS_RESIDUAL: tl.constexpr, ROWS: tl.constexpr,
+                     BLOCK: tl.constexpr):
+    # ROWS rows a program: a per-head q/k norm row is 128 wide, one element a thread with one row a
+    # program. Rows of x may be two-level strided (vLLM's per-head q/k views of a fused qkv output).
+    row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
+    row_ok = row < n_rows
     x_row = x_ptr + (row // rows_inner) * stride_xo + (row % rows_inner) * stride_xi
     dtype = x_ptr.dtype.element_ty
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    acc = tl.zeros((ROWS, BLOCK), dtype=tl.float32)
     for start in range(0, n_cols, BLOCK):
         cols = start + tl.arange(0, BLOCK)
-        mask = cols < n_cols
-        x = tl.load(x_row + cols, mask=mask, other=0.0)
+        mask = row_ok[:, None] & (cols < n_cols)[None, :]
+        x = tl.load(x_row[:, None] + cols[None, :], mask=mask, other=0.0)
         if HAS_RESIDUAL:
-            res = tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0)
+            res = tl.load(res_ptr + row[:, None] * stride_r + cols[None, :], mask=mask, other=0.0)
             x = (res.to(tl.float32) + x.to(tl.float32)).to(dtype)
-            tl.store(sum_ptr + row * stride_s + cols, x, mask=mask)
+            tl.store(sum_ptr + row[:, None] * stride_s + cols[None, :], x, mask=mask)
         h = x.to(tl.float32)
         acc += h * h  # the square rounded, then added: h.pow(2), then the mean kernel's loop
-    rstd = tl.math.rsqrt(_halving_sum(acc, BLOCK) / n_cols + eps)
+    rstd = tl.math.rsqrt(_halving_sum_rows(acc, ROWS, BLOCK) / n_cols + eps)
     src = sum_ptr + row * stride_s if HAS_RESIDUAL else x_row
     for start in range(0, n_cols, BLOCK):
         cols = start + tl.arange(0, BLOCK)
-        mask = cols < n_cols
-        y = (tl.load(src + cols, mask=mask, other=0.0).to(tl.float32) * rstd).to(dtype)
-        w = tl.load(w_ptr + cols, mask=mask, other=0.0)
-        tl.store(out_ptr + row * stride_o + cols, (w.to(tl.float32) * y.to(tl.float32)).to(out_ptr.dtype.element_ty),
-                 mask=mask)
+        mask = row_ok[:, None] & (cols < n_cols)[None, :]
+        y = (tl.load(src[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32) * rstd[:, None]).to(dtype)
+        w = tl.load(w_ptr + cols, mask=cols < n_cols, other=0.0)
+        tl.store(out_ptr + row[:, None] * stride_o + cols[None, :],
+                 (w[None, :].to(tl.float32) * y.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -109,10 +126,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     total = torch.empty(x.shape, dtype=x.dtype, device=x.device) if residual is not None else out
     res = residual.reshape(-1, n_cols).contiguous() if residual is not None else rows
     if out.numel():
-        meta = dict(HAS_RESIDUAL=residual is not None, BLOCK=_block(n_cols), num_warps=4, enable_fp_fusion=False)
-        _rms_norm((out.numel() // n_cols,), (rows, res, weight.contiguous(), out, total, rows.shape[1], n_cols,
-                                             rows.stride(0), rows.stride(1), res.stride(0), n_cols, n_cols,
-                                             float(eps)), meta)
+        n_rows = out.numel() // n_cols
+        block = _block(n_cols)
+        per_program = min(max(1, _ROW_ELEMENTS // block), triton.next_power_of_2(n_rows)) if block <= _NARROW else 1
+        meta = dict(HAS_RESIDUAL=residual is not None, ROWS=per_program, BLOCK=block, num_warps=4,
+                    enable_fp_fusion=False)
+        _rms_norm((triton.cdiv(n_rows, per_program),), (rows, res, weight.contiguous(), out, total, n_rows,
+                                                        rows.shape[1], n_cols, rows.stride(0), rows.stride(1),
+                                                        res.stride(0), n_cols, n_cols, float(eps)), meta)
     return out if residual is None else (out, total)
 
 
