@@ -21,13 +21,9 @@ def _out(request_id, prompt, tokens):
 
 
 def _captured(steps):
-    """steps: (req_ids, ids rows, logprob rows, sampled) -> what repaudit_capture_end returns (each
-    row's argmax: the lowest id among its largest logprobs)."""
-    def argmax(ids, lps):
-        return torch.tensor([min(i for i, v in zip(row, vals) if v == max(vals)) for row, vals in zip(ids, lps)])
-
+    """steps: (req_ids, ids rows, logprob rows, sampled) -> what repaudit_capture_end returns."""
     return vllm_capture.pack([(r, torch.tensor(i, dtype=torch.int64), torch.tensor(lp, dtype=torch.float32),
-                               torch.tensor(s, dtype=torch.int32), argmax(i, lp)) for r, i, lp, s in steps])
+                               torch.tensor(s, dtype=torch.int32)) for r, i, lp, s in steps])
 
 
 def test_captured_steps_become_each_requests_rows_in_step_order():
@@ -110,7 +106,7 @@ def test_the_hook_asks_vllms_kernel_for_the_sampled_token_and_the_top_k_and_keep
     assert packed["req_ids"] == ["a", "b", "c"] and got["code"].tolist() == [0, 1, 2, 2, 0, 1]
     assert got["ids"][:3].tolist() == [[1, 1, 3], [0, 0, 1], [3, 3, 2]]  # sampled, then top-2, from step 1's buffer
     assert got["ids"][3:, 0].tolist() == [2, 3, 0] and got["sampled"].tolist() == [1, 0, 1, 1, 0, 1]
-    assert got["top1"].tolist() == [1, 0, 3, 2, 3, 0]  # each row's argmax
+    assert "top1" not in got  # the rows take top1 from the logprobs, not from an argmax
     want = torch.log_softmax(logits, -1).gather(1, torch.tensor([[1, 1, 3], [0, 0, 1], [3, 3, 2]]))
     assert got["logprobs"][:3].view(np.uint32).tolist() == want.numpy().view(np.uint32).tolist()
     assert [c.shape for c in fake_vllm_logprob] == [(3, 3), (3, 3)]

@@ -33,7 +33,7 @@ EXTENSION = "repaudit.engines.vllm_capture.CaptureWorker"
 @dataclass
 class _Capture:
     k: int | None = None  # logprobs per row while capturing, else None
-    steps: list = field(default_factory=list)  # (req_ids, ids [n, 1+k], logprobs [n, 1+k], sampled [n], top1 [n])
+    steps: list = field(default_factory=list)  # (req_ids, ids [n, 1+k], logprobs [n, 1+k], sampled [n])
     broken: str | None = None
     host_s: float = 0.0  # the host's time in the capture's part of the sampling steps
 
@@ -63,10 +63,7 @@ def _sampling_with_capture(call):
             # looked up now, so a tbik cell gets the plugin's log-softmax).
             ids = torch.cat((first, torch.topk(logits, _state.k, dim=-1).indices), dim=1) if _state.k else first
             lps = logprob.compute_token_logprobs(logits, ids)
-            # Packed with the steps, but the rows no longer read it: the sampled token is this
-            # argmax, and rows_from_capture takes top1 from the logprobs of it and the top-k.
-            top1 = logits.argmax(dim=-1)
-        _state.steps.append((list(input_batch.req_ids), ids, lps, sampled, top1))
+        _state.steps.append((list(input_batch.req_ids), ids, lps, sampled))
         _state.host_s += time.perf_counter() - t0
         return out
 
@@ -166,32 +163,26 @@ def pack(steps: list) -> dict:
     codes: dict[str, int] = {}
     row_codes = [codes.setdefault(r, len(codes)) for req_ids, *_ in steps for r in req_ids]
     if not steps:
-        return pack_arrays([], np.zeros(0), np.zeros((0, 1)), np.zeros((0, 1)), np.zeros(0), np.zeros(0))
+        return pack_arrays([], np.zeros(0), np.zeros((0, 1)), np.zeros((0, 1)), np.zeros(0))
     column = lambda i: torch.cat([s[i] for s in steps]).cpu().numpy()  # noqa: E731
     return pack_arrays(list(codes), np.asarray(row_codes), column(1), torch.cat([s[2] for s in steps]).float().cpu().numpy(),
-                       column(3), column(4))
+                       column(3))
 
 
-def pack_arrays(req_ids: list[str], code: np.ndarray, ids: np.ndarray, logprobs: np.ndarray, sampled: np.ndarray,
-                top1: np.ndarray | None = None) -> dict:
-    packed = {"req_ids": list(req_ids), "width": int(ids.shape[1]),
-              "code": np.ascontiguousarray(code, dtype=np.int32).tobytes(),
-              "ids": np.ascontiguousarray(ids, dtype=np.int64).tobytes(),
-              "logprobs": np.ascontiguousarray(logprobs, dtype=np.float32).tobytes(),
-              "sampled": np.ascontiguousarray(sampled, dtype=np.int32).tobytes()}
-    if top1 is not None:
-        packed["top1"] = np.ascontiguousarray(top1, dtype=np.int64).tobytes()
-    return packed
+def pack_arrays(req_ids: list[str], code: np.ndarray, ids: np.ndarray, logprobs: np.ndarray, sampled: np.ndarray) -> dict:
+    return {"req_ids": list(req_ids), "width": int(ids.shape[1]),
+            "code": np.ascontiguousarray(code, dtype=np.int32).tobytes(),
+            "ids": np.ascontiguousarray(ids, dtype=np.int64).tobytes(),
+            "logprobs": np.ascontiguousarray(logprobs, dtype=np.float32).tobytes(),
+            "sampled": np.ascontiguousarray(sampled, dtype=np.int32).tobytes()}
 
 
 def unpack(packed: dict) -> dict[str, np.ndarray]:
     w = packed["width"]
-    got = {"code": np.frombuffer(packed["code"], np.int32), "ids": np.frombuffer(packed["ids"], np.int64).reshape(-1, w),
-           "logprobs": np.frombuffer(packed["logprobs"], np.float32).reshape(-1, w),
-           "sampled": np.frombuffer(packed["sampled"], np.int32)}
-    if "top1" in packed:  # captures recorded before it was kept have none
-        got["top1"] = np.frombuffer(packed["top1"], np.int64)
-    return got
+    # A "top1" column (each row's argmax, in captures recorded before it was dropped) is not read.
+    return {"code": np.frombuffer(packed["code"], np.int32), "ids": np.frombuffer(packed["ids"], np.int64).reshape(-1, w),
+            "logprobs": np.frombuffer(packed["logprobs"], np.float32).reshape(-1, w),
+            "sampled": np.frombuffer(packed["sampled"], np.int32)}
 
 
 def _external_id(internal: str, known: set[str]) -> str:
@@ -213,8 +204,8 @@ def rows_from_capture(outs: list, packed: dict, prompt_ids: list[str], prompt_le
     keep = captured["sampled"] > 0
     code, ids, lps = captured["code"][keep], captured["ids"][keep], captured["logprobs"][keep]
     top_ids, top_lps = topk_with_own(ids[:, 0], lps[:, 0], ids[:, 1:], lps[:, 1:])  # every row at once
-    # Not the captured argmax: top1 is the lowest id among the largest logprobs, and two logits
-    # that differ can round to one logprob; the sampled token (the argmax) is among the candidates.
+    # top1 is the lowest id among the largest logprobs (two logits that differ can round to one
+    # logprob), so it is taken from the candidates, the sampled token (the argmax) among them.
     top1 = top_ids[:, 0]
     order = np.argsort(code, kind="stable")
     starts = np.searchsorted(code[order], np.arange(len(packed["req_ids"]) + 1))
