@@ -274,10 +274,10 @@ def advance_mask(step_mask: torch.Tensor, slot: int) -> torch.Tensor:
     on the device without the mask function's host work: the step's query moves to `slot`, and
     the only entry that changes is that slot's key, which becomes what the previous slot's is.
     Both are keys of real tokens at or before the query (the last prompt token or a generated
-    one, in every row, finished rows included: they decode their stop id, pad tokens or greedy tokens, which
-    the padding mask counts as real, as generate() does), so the value is "allowed" in whatever form the mask
-    function gave (True, 0.0, 1). tests/test_hf_decode.py checks it equals static_mask's answer
-    at every step, bit for bit."""
+    one, in every row, finished rows included: they decode their stop id, pad tokens or greedy
+    tokens, which the padding mask counts as real, as generate() does), so the value is "allowed"
+    in whatever form the mask function gave (True, 0.0, 1). tests/test_hf_decode.py checks it
+    equals static_mask's answer at every step, bit for bit."""
     nxt = step_mask.clone()
     nxt[..., slot] = step_mask[..., slot - 1]
     return nxt

@@ -169,7 +169,8 @@ def pack(steps: list) -> dict:
                        column(3))
 
 
-def pack_arrays(req_ids: list[str], code: np.ndarray, ids: np.ndarray, logprobs: np.ndarray, sampled: np.ndarray) -> dict:
+def pack_arrays(req_ids: list[str], code: np.ndarray, ids: np.ndarray, logprobs: np.ndarray,
+                sampled: np.ndarray) -> dict:
     return {"req_ids": list(req_ids), "width": int(ids.shape[1]),
             "code": np.ascontiguousarray(code, dtype=np.int32).tobytes(),
             "ids": np.ascontiguousarray(ids, dtype=np.int64).tobytes(),

@@ -77,8 +77,9 @@ def stop_ids(path: str | os.PathLike, tok) -> tuple[int, ...]:
     """The token ids a generation ends at, the same for every engine: the tokenizer's EOS and
     every EOS id of the model's generation config (generation_config.json, or config.json's
     where there is none). transformers' generate() stops at the generation config's ids, and
-    vLLM adds them to every request's stop ids whatever the request asks; a chat model often lists two (end of turn, end of text), and an engine that stopped at
-    one only would run past the other and differ from the rest in length, not in numbers."""
+    vLLM adds them to every request's stop ids whatever the request asks; a chat model often
+    lists two (end of turn, end of text), and an engine that stopped at one only would run past
+    the other and differ from the rest in length, not in numbers."""
     ids = {int(tok.eos_token_id)} if tok.eos_token_id is not None else set()
     config = Path(path) / "generation_config.json"
     eos = None
