@@ -21,16 +21,7 @@ pytest_gpu "attention or gpu or graph or GPU" tests/test_tbik_gpu.py tests/test_
   tests/test_hf_decode.py
 
 step "records: tbik TP=1 cells against the committed ones"
-old=$(mktemp -d)
-tar xJf reports/vllm/h200x2-trainer-rollout/cells.tar.xz -C "$old"
-timeout "${RUN_BUDGET:-150}" python3 -m repaudit run --model builtin:qwen3-0.6b --device cuda --engine hf --tp 1 \
-  --batch-size 1,32 --kernels tbik --mode generate,score --probes default --max-new-tokens 16 --topk 5 \
-  --out "$OUT/run" > "$OUT/run.log" 2>&1
-echo "exit $?" >> "$OUT/run.log"; tail -n 2 "$OUT/run.log"
-for cell in hf-tp1-bs1-default-tbik-generate hf-tp1-bs32-default-tbik-generate hf-tp1-bs32-default-tbik-score; do
-  python3 -m repaudit diff "$old/cells/$cell.parquet" "$OUT/run/cells/$cell.parquet" > "$OUT/diff-$cell.txt" 2>&1
-  echo "$cell: diff exit $?" | tee -a "$OUT/diffs.log"
-done
+records_against_committed
 rm -rf "$OUT/run/cells"/*.trace.parquet
 
 step "attention: grouped tile against one head a tile"
