@@ -118,3 +118,72 @@ def test_locate_names_the_module_where_ranks_disagree(traces: Path):
     console = Console(record=True, width=400)
     print_locate(r, console)
     assert f"ranks disagree at module {PLANTED}" in console.export_text()
+
+
+# A width the TP size does not divide (an MLP of 49 features at TP=2: torch gives rank 0 25 and
+# rank 1 24). Every rank hooks the column-parallel outputs, rank 0 joins the shards and digests
+# the whole rows with numpy's reference, independently of the tracer.
+UNEVEN = textwrap.dedent('''
+    import json, sys
+    import numpy as np, torch, torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+    from repaudit.run.trace import Tracer
+    from repaudit.record.digest import numpy_row_digest
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32, tp_plan="auto").eval()
+    ids = torch.tensor([[5, 17, 42, 9, 7, 3]])
+    n = ids.shape[1]
+    names = ["model.layers.0.mlp.gate_proj", "model.layers.0.mlp.down_proj:input"]
+    local = {}
+    model.get_submodule(names[0]).register_forward_hook(lambda m, a, o: local.setdefault(names[0], o.reshape(n, -1)))
+    model.get_submodule(names[1][:-6]).register_forward_pre_hook(lambda m, a: local.setdefault(names[1], a[0].reshape(n, -1)))
+    tracer = Tracer(model, 2)
+    tracer.begin(1, n, torch.arange(n), np.array(["p"] * n, dtype=object), np.arange(n))
+    with torch.inference_mode():
+        model.base_model(input_ids=ids, attention_mask=torch.ones_like(ids), position_ids=torch.arange(n)[None])
+    tracer.end()
+    tracer.detach()
+    result = tracer.finish()
+    whole = {}
+    for name in names:
+        widths = [torch.zeros(1, dtype=torch.int64) for _ in range(2)]
+        dist.all_gather(widths, torch.tensor([local[name].shape[1]]))
+        parts = [torch.zeros(n, 25) for _ in range(2)]
+        dist.all_gather(parts, torch.nn.functional.pad(local[name], (0, 25 - local[name].shape[1])))
+        whole[name] = torch.cat([p[:, :int(w)] for p, w in zip(parts, widths)], 1).numpy()
+    if dist.get_rank() == 0:
+        table, infos = result
+        got = {(m, q): (d, s) for m, q, d, s in zip(table["module"].to_pylist(), table["pos"].to_pylist(),
+                                                    table["digest"].to_pylist(), table["sample"].to_pylist())}
+        out = {}
+        for name in names:
+            pick = np.linspace(0, 48, 8).round().astype(int)
+            want = [(int(d), row.view(np.uint32)[pick].tolist()) for d, row in zip(numpy_row_digest(whole[name]), whole[name])]
+            out[name] = {"shape": list(whole[name].shape), "features": next(i.features for i in infos if i.name == name),
+                         "same": [got[(name, q)] == want[q] for q in range(n)]}
+        print("RESULT", json.dumps(out))
+    dist.barrier()
+    dist.destroy_process_group()
+''')
+
+
+def test_unequal_shards_are_digested_at_their_own_offsets(tmp_path: Path):
+    """An output width the TP size does not divide gives the ranks shards of unequal widths;
+    each shard's digest and samples must use its real global offset (rank 1's starts at 25, not
+    24) and the row's width is 49, not 2 x 25."""
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=49, num_hidden_layers=1, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=8, tie_word_embeddings=False)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "model")
+    (tmp_path / "script.py").write_text(UNEVEN)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                           str(tmp_path / "script.py"), str(tmp_path / "model")],
+                          capture_output=True, text=True, timeout=600)
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    assert proc.returncode == 0 and line, proc.stdout[-2000:] + proc.stderr[-3000:]
+    for name, r in json.loads(line[len("RESULT "):]).items():
+        assert r == {"shape": [6, 49], "features": 49, "same": [True] * 6}, name

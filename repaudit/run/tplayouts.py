@@ -14,6 +14,20 @@ def sharded_output(style: str | None, at_input: bool, input_is_shard) -> bool:
     return declared if declared is not None else input_is_shard()
 
 
+def shard_span(local: int, device) -> tuple[int, int]:
+    """A sharded output's (first feature of this rank's shard, whole row's width), from every
+    rank's shard width: torch splits a width the TP size does not divide into unequal shards
+    (the first ranks one feature more), so rank * local and local * tp would misplace them. A
+    collective: every rank classifies the same outputs in the same order (one forward's code)."""
+    import torch
+    import torch.distributed as dist
+
+    widths = torch.zeros(dist.get_world_size(), dtype=torch.int64, device=device)
+    widths[dist.get_rank()] = local
+    dist.all_reduce(widths)
+    return int(widths[:dist.get_rank()].sum()), int(widths.sum())
+
+
 # packed_colwise shards its output as colwise does, but its style object declares no layout.
 _UNDECLARED_OUTPUT = {"packed_colwise": True}
 

@@ -51,7 +51,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..record.tracefile import SAMPLES, SCHEMA, ModuleInfo
 from .experts import is_experts
-from .tplayouts import sharded_output
+from .tplayouts import shard_span, sharded_output
 from .tracedigests import BITS, MAX_HELD_BYTES, MAX_HELD_ROWS, Held, differing, digest_held, digest_now, version
 from .tracerows import Block, Layout, Rows, experts_column, kept_rows, to_host
 
@@ -63,6 +63,7 @@ class _Calls:
     owned: torch.Tensor | None = None  # which sampled features this rank holds
     in_place: bool = False  # its output is changed after the hook: never deferred
     checked: set = field(default_factory=set)  # output layouts a warm-up found unchanged after the hook
+    offset: int = 0  # a shard's first feature in the whole row
 
 
 @dataclass
@@ -267,12 +268,10 @@ class Tracer:
         whole = out.reshape(batch * length, -1)
         calls = self.calls.get(name)
         if calls is None:
-            calls = self.calls[name] = _Calls(self._classify(name, whole, inputs, routing))
-        info = calls.info
+            calls = self.calls[name] = self._classify(name, whole, inputs, routing)
+        info, local, offset = calls.info, whole.shape[1], calls.offset
         if info.sharded:
             self._shards.add(StorageWeakRef(out.untyped_storage()))
-        local = whole.shape[1]
-        offset = self.rank * local if info.sharded else 0
         if calls.pick is None:
             idx = torch.linspace(0, info.features - 1, SAMPLES, device=whole.device).round().long() - offset
             calls.owned = ((idx >= 0) & (idx < local)).long()
@@ -323,15 +322,16 @@ class Tracer:
             warnings.warn(f"--trace: the outputs of {', '.join(sorted(changed))} change in place after their module "
                           "returns; they are digested at the hook, a launch each in every decode graph", stacklevel=2)
 
-    def _classify(self, name: str, flat: torch.Tensor, inputs: list[Any], routing: bool = False) -> ModuleInfo:
+    def _classify(self, name: str, flat: torch.Tensor, inputs: list[Any], routing: bool = False) -> _Calls:
         base, _, port = name.partition(":")
         style = self.styles.get(base)
         if routing:  # the router's choice: the same on every rank by construction of TP, never a shard
-            return ModuleInfo(name=name, order=len(self.calls), dtype="int32", features=flat.shape[1],
-                              sharded=False, style=style, routing=True)
+            return _Calls(ModuleInfo(name=name, order=len(self.calls), dtype="int32", features=flat.shape[1],
+                                     sharded=False, style=style, routing=True))
         sharded = self.tp > 1 and sharded_output(style, port == "input", lambda: any(self._is_shard(t) for t in inputs))
-        return ModuleInfo(name=name, order=len(self.calls), dtype=BITS[flat.dtype][2],
-                          features=flat.shape[1] * (self.tp if sharded else 1), sharded=sharded, style=style)
+        offset, features = shard_span(flat.shape[1], flat.device) if sharded else (0, flat.shape[1])
+        return _Calls(ModuleInfo(name=name, order=len(self.calls), dtype=BITS[flat.dtype][2], features=features,
+                                 sharded=sharded, style=style), offset=offset)
 
     def _is_shard(self, t: Any) -> bool:
         if not isinstance(t, torch.Tensor):
