@@ -236,6 +236,42 @@ def test_trace_table_rows_are_each_module_call_at_each_token_once():
     assert set(zip(table["module"].to_pylist(), table["order"].to_pylist())) == {("inner", 0), ("out", 1)}
 
 
+def test_an_output_shaped_per_token_only_at_a_decode_step_is_not_traced():
+    """MLA attention (DeepSeek-V3) expands the whole cached latents through kv_b_proj:
+    [batch, 1, cached, features], which at a decode step (length 1) is shaped like a per-token
+    output. It used to be traced there, at decode positions only, ordered after the final norm
+    and sampled at the first step's width; it is no token's row, so it is not traced (also where
+    a one-token prompt's prefill looked per token), and every other module has a row at every token."""
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM, DeepseekV3Config
+
+    from repaudit.engines import hf
+    from repaudit.engines.base import Sequence
+    from repaudit.run.trace import Tracer
+
+    torch.manual_seed(0)
+    cfg = DeepseekV3Config(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
+                           n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1, kv_lora_rank=8,
+                           q_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, n_group=1, topk_group=1)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    hfm = hf.HFModel(model=model, device=torch.device("cpu"), tp=1, stop_ids=(), pad_id=0,
+                     log_softmax=hf._torch_log_softmax, decode="dynamic")
+    hfm.tracer = Tracer(model, 1)
+    for batch in ([Sequence("one", (7,), None, 3)], [Sequence("a", (5, 6, 7, 8, 9), None, 3)]):
+        hf.generate(hfm, batch, 0)
+    hfm.tracer.detach()
+    table, infos = hfm.tracer.finish()
+    names = [i.name for i in infos]
+    assert not [n for n in names if "kv_b_proj" in n]
+    assert "model.layers.0.self_attn.kv_a_layernorm" in names and set(table["module"].to_pylist()) == set(names)
+    tokens = {("one", 0), ("one", 1), ("one", 2), *(("a", p) for p in range(7))}
+    keys = list(zip(table["prompt_id"].to_pylist(), table["pos"].to_pylist(), table["module"].to_pylist()))
+    assert len(keys) == len(set(keys)) == len(tokens) * len(names)
+    assert np.array_equal(np.unique(table["order"].to_numpy()), np.arange(len(names)))
+
+
 def test_positions_after_a_differing_token_are_left_out(traced: Path, tmp_path: Path):
     """A generate cell that picked another token feeds other inputs from there on: locate leaves
     those positions out (and counts them) instead of calling the first module a divergence.

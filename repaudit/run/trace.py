@@ -53,7 +53,7 @@ from ..record.tracefile import SAMPLES, SCHEMA, ModuleInfo
 from .experts import is_experts
 from .tplayouts import shard_span, sharded_output
 from .tracedigests import BITS, MAX_HELD_BYTES, MAX_HELD_ROWS, Held, differing, digest_held, digest_now, version
-from .tracerows import Block, Layout, Rows, experts_column, kept_rows, to_host
+from .tracerows import Block, Layout, Rows, experts_column, kept_rows, to_host, traced_tokens
 
 @dataclass
 class _Calls:
@@ -64,6 +64,7 @@ class _Calls:
     in_place: bool = False  # its output is changed after the hook: never deferred
     checked: set = field(default_factory=set)  # output layouts a warm-up found unchanged after the hook
     offset: int = 0  # a shard's first feature in the whole row
+    width: int = 0  # this rank's features: every call's the same
 
 
 @dataclass
@@ -85,6 +86,7 @@ class Tracer:
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.styles = tp_styles(model)
         self.calls: dict[str, _Calls] = {}
+        self._skipped: set[str] = set()  # a float output not one row per token at some call: never traced
         self._keys: list[tuple[np.ndarray, np.ndarray]] = []
         self._fwd: list[_Entry] = []  # the current forward's calls
         self._blocks: list[Block] = []  # every finished forward's, in the order they ran
@@ -261,12 +263,15 @@ class Tracer:
         # [batch, length, ...] or, as MoE layers flatten them, [batch * length, features]
         per_token = (out.dim() >= 3 and tuple(out.shape[:2]) == (batch, length)) or \
             (out.dim() == 2 and out.shape[0] == batch * length)
-        if not per_token:
-            return None
         if hasattr(out, "to_local"):
             out = out.to_local()
-        whole = out.reshape(batch * length, -1)
+        whole = out.reshape(batch * length, -1) if per_token else None
         calls = self.calls.get(name)
+        # Shaped per token at one call only, or a row that changes width (MLA's kv_b_proj expands the whole
+        # cached latents: [batch, 1, cached, features], per token in shape at a decode step): no token's row.
+        if name in self._skipped or whole is None or (calls is not None and whole.shape[1] != calls.width):
+            self._skipped.add(name)
+            return None
         if calls is None:
             calls = self.calls[name] = self._classify(name, whole, inputs, routing)
         info, local, offset = calls.info, whole.shape[1], calls.offset
@@ -327,11 +332,11 @@ class Tracer:
         style = self.styles.get(base)
         if routing:  # the router's choice: the same on every rank by construction of TP, never a shard
             return _Calls(ModuleInfo(name=name, order=len(self.calls), dtype="int32", features=flat.shape[1],
-                                     sharded=False, style=style, routing=True))
+                                     sharded=False, style=style, routing=True), width=flat.shape[1])
         sharded = self.tp > 1 and sharded_output(style, port == "input", lambda: any(self._is_shard(t) for t in inputs))
         offset, features = shard_span(flat.shape[1], flat.device) if sharded else (0, flat.shape[1])
         return _Calls(ModuleInfo(name=name, order=len(self.calls), dtype=BITS[flat.dtype][2], features=features,
-                                 sharded=sharded, style=style), offset=offset)
+                                 sharded=sharded, style=style), offset=offset, width=flat.shape[1])
 
     def _is_shard(self, t: Any) -> bool:
         if not isinstance(t, torch.Tensor):
@@ -352,11 +357,13 @@ class Tracer:
         and no reader needs another order (locate joins on keys). The blocks are put in that
         order by one gather per column, its index made on the host from the layouts alone."""
         live = self._settle_keys()
-        names = sorted(self.calls, key=lambda n: self.calls[n].info.order)
+        names = sorted((n for n in self.calls if n not in self._skipped), key=lambda n: self.calls[n].info.order)
         if not names or not self._blocks:
             return None
         calls = [self.calls[n] for n in names]
-        prompts, (code, pos), token_of_key, disjoint = self._tokens()
+        for i, c in enumerate(calls):  # a module classified before it was skipped leaves no gap
+            c.info.order = i
+        prompts, (code, pos), token_of_key, disjoint = traced_tokens(self._keys)
         rows = Rows.build(self._blocks, calls, live, token_of_key)
         counts, bounds = rows.counts, np.concatenate(([0], np.cumsum(rows.counts)))
         device = self._blocks[0].digests.device
@@ -417,19 +424,6 @@ class Tracer:
             self._keys[k] = (self._keys[k][0][v], p[v])
             kept[k] = np.flatnonzero(v)
         return kept
-
-    def _tokens(self) -> tuple[list[str], tuple[np.ndarray, np.ndarray], list[np.ndarray], bool]:
-        """The traced tokens (prompt, position): the sorted prompt ids, each token's (prompt code, position),
-        per forward the token of each of its rows, and whether no token is in two forwards."""
-        pids = np.concatenate([p for p, _ in self._keys]).tolist()
-        pos = np.concatenate([q for _, q in self._keys]).astype(np.int64)
-        prompts = sorted(set(pids))  # Python strings: numpy's fixed-width str drops trailing NULs
-        code = np.fromiter(map({p: i for i, p in enumerate(prompts)}.__getitem__, pids), np.int64, len(pids))
-        span = int(pos.max()) + 1 if len(pos) else 1
-        tokens, token = np.unique(code * span + pos, return_inverse=True)
-        split = np.cumsum([len(q) for _, q in self._keys])[:-1]
-        return (prompts, ((tokens // span).astype(np.int32), (tokens % span).astype(np.int32)),
-                np.split(token, split), len(tokens) == len(pos))
 
     def _find_rank_disagreements(self, calls, js, digest, bounds, module_rows, token, prompts, code, pos) -> None:
         """Rows of replicated outputs whose bits differ between ranks. The trace keeps rank 0's

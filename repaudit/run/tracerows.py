@@ -58,11 +58,13 @@ class Rows:
         per_layout: dict[int, np.ndarray] = {}
         for b in blocks:
             if id(b.layout) not in per_layout:
-                per_layout[id(b.layout)] = np.array([number[id(c)] for c in b.layout.calls], dtype=np.int64)
+                per_layout[id(b.layout)] = np.array([number.get(id(c), -1) for c in b.layout.calls], dtype=np.int64)
         n_calls = np.array([len(b.layout.calls) for b in blocks], dtype=np.int64)
         seg_module = np.concatenate([per_layout[id(b.layout)] for b in blocks])
         seg_block = np.repeat(np.arange(len(blocks)), n_calls)
         seg_call = np.arange(len(seg_block)) - np.repeat(np.cumsum(n_calls) - n_calls, n_calls)
+        traced = seg_module >= 0  # calls of a module left out of `calls` (not one row per token) are dropped
+        seg_module, seg_block, seg_call = seg_module[traced], seg_block[traced], seg_call[traced]
         by_module = np.argsort(seg_module, kind="stable")  # module by module, each module's calls in order
         seg_module, seg_block, seg_call = seg_module[by_module], seg_block[by_module], seg_call[by_module]
 
@@ -196,3 +198,19 @@ def first_calls(token: np.ndarray) -> np.ndarray | None:
     keeps its first call. None: every row."""
     first = np.sort(np.unique(token, return_index=True)[1])
     return None if len(first) == len(token) else first
+
+
+def traced_tokens(keys: list[tuple[np.ndarray, np.ndarray]]) -> tuple[list[str], tuple[np.ndarray, np.ndarray],
+                                                                     list[np.ndarray], bool]:
+    """The traced tokens (prompt, position) of the forwards' keys (prompt ids, positions): the sorted
+    prompt ids, each token's (prompt code, position), per forward the token of each of its rows,
+    and whether no token is in two forwards."""
+    pids = np.concatenate([p for p, _ in keys]).tolist()
+    pos = np.concatenate([q for _, q in keys]).astype(np.int64)
+    prompts = sorted(set(pids))  # Python strings: numpy's fixed-width str drops trailing NULs
+    code = np.fromiter(map({p: i for i, p in enumerate(prompts)}.__getitem__, pids), np.int64, len(pids))
+    span = int(pos.max()) + 1 if len(pos) else 1
+    tokens, token = np.unique(code * span + pos, return_inverse=True)
+    split = np.cumsum([len(q) for _, q in keys])[:-1]
+    return (prompts, ((tokens // span).astype(np.int32), (tokens % span).astype(np.int32)),
+            np.split(token, split), len(tokens) == len(pos))
