@@ -46,6 +46,19 @@ def test_every_reference_is_a_cell_of_the_plan_when_nccl_is_kept():
     assert plan.reference_for(plan.cell("hf-tp2-bs1-default-stock-score")).id == "hf-tp1-bs1-default-stock-score"
 
 
+def test_a_tp1_reference_of_a_tree_baseline_is_the_tp1_cell_that_runs():
+    """--baseline at TP=2 with the `tree` preset and --reference-per naming tp: a TP=1 cell's
+    reference was hf-tp1-...-tree, which the plan never makes (TP=1 runs only the first preset),
+    so the gate failed the TP=1 cells on a reference 'missing from the manifest'."""
+    plan = expand(Matrix(model="m", tps=(1, 2), batch_sizes=(1,), device="cuda", modes=("score",),
+                         nccl={"default": {}, "tree": nccl.PRESETS["tree"]}, kernels=("stock",),
+                         reference_per=("tp", "kernels", "mode"), baseline="hf-tp2-bs1-tree-stock"))
+    refs = {c.id: plan.reference_for(c).id for c in plan.cells}
+    assert refs == {"hf-tp1-bs1-default-stock-score": "hf-tp1-bs1-default-stock-score",
+                    "hf-tp2-bs1-default-stock-score": "hf-tp2-bs1-tree-stock-score",
+                    "hf-tp2-bs1-tree-stock-score": "hf-tp2-bs1-tree-stock-score"}
+
+
 def test_cell_ids_are_stable():
     plan = expand(Matrix(model="m", tps=(1,), batch_sizes=(1,)))
     assert [c.id for c in plan.cells] == ["hf-tp1-bs1-default-stock-generate", "hf-tp1-bs1-default-stock-score"]

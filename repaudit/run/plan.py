@@ -136,10 +136,12 @@ class Plan:
         if cell.scenario != COLD:
             return replace(cell, scenario=COLD)
         ref = replace(self.baseline, **{d: getattr(cell, d) for d in self.matrix.reference_per})
-        if ref.nccl != self.baseline.nccl and ref not in self.cells:
-            # TP=1 runs one NCCL preset (it runs no collective): a TP=2 `tree` cell's reference at
-            # TP=1, with --reference-per naming nccl, is that one cell.
-            ref = replace(ref, nccl=self.baseline.nccl)
+        if ref not in self.cells:
+            # TP=1 (and the CPU) runs only the first NCCL preset (no NCCL collective): a reference
+            # at TP=1 is that one cell, whichever preset the cell or the baseline names (a TP=2
+            # `tree` cell with --reference-per nccl; a TP=1 cell, with --reference-per tp, of a
+            # TP=2 `tree` baseline).
+            ref = replace(ref, nccl=next(iter(self.matrix.nccl)))
         return ref
 
 
