@@ -107,6 +107,24 @@ def test_tp_that_does_not_divide_the_heads(refuse, tp, message):
     assert refuse("--tp", tp) == message
 
 
+@pytest.mark.parametrize("family, config, tp, message", [
+    # Gemma 4's global-attention layers have num_global_key_value_heads: transformers raises on a
+    # global read of a per-layer size, and `run` ended in a traceback at any TP.
+    ("gemma4_text", {"num_attention_heads": 16, "num_key_value_heads": 8, "num_global_key_value_heads": 2,
+                     "attention_k_eq_v": True}, "1,4", "--tp 4 does not divide the model's 2 key/value heads"),
+    # Gemma 3n's intermediate_size is a list per layer: `list % int` ended in a TypeError.
+    ("gemma3n_text", {"num_hidden_layers": 2, "intermediate_size": [64, 36], "num_attention_heads": 8,
+                      "num_key_value_heads": 8}, "1,32", "--tp 32 does not divide the model's 8 attention heads"),
+    ("gemma3n_text", {"num_hidden_layers": 2, "intermediate_size": [64, 36], "num_attention_heads": 8,
+                      "num_key_value_heads": 8}, "1,2,4,8", "--tp 8 does not divide the model's 36 MLP width (intermediate_size)"),
+])
+def test_tp_checked_against_every_layer_of_the_config(refuse, tmp_path, family, config, tp, message):
+    from transformers import AutoConfig
+
+    AutoConfig.for_model(family, **config).save_pretrained(tmp_path / "m")
+    assert refuse("--model", str(tmp_path / "m"), "--tp", tp) == message
+
+
 def test_tp_larger_than_the_visible_gpus(refuse, monkeypatch):
     import torch
 

@@ -152,11 +152,25 @@ def model_shape(ref: ModelRef, trust_remote_code: bool) -> tuple[ModelShape, int
         styles.update(getattr(cls, "_tp_plan", None) or {})
     except (KeyError, AttributeError):
         pass
+    heads = _layer_sizes(cfg, "num_attention_heads")
     shape = ModelShape(
-        model_type=full.model_type, num_attention_heads=cfg.num_attention_heads,
-        num_key_value_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
-        intermediate_size=getattr(cfg, "intermediate_size", 0) or 0, vocab_size=cfg.vocab_size, tp_styles=styles,
+        model_type=full.model_type, num_attention_heads=heads,
+        num_key_value_heads=_layer_sizes(cfg, "num_key_value_heads") or heads,
+        intermediate_size=_layer_sizes(cfg, "intermediate_size"), vocab_size=cfg.vocab_size, tp_styles=styles,
         attention=attention_refusal(cfg),
-        moe_intermediate_size=getattr(cfg, "moe_intermediate_size", 0) or 0,
+        moe_intermediate_size=_layer_sizes(cfg, "moe_intermediate_size"),
     )
     return shape, getattr(cfg, "max_position_embeddings", None)
+
+
+def _layer_sizes(cfg, name: str) -> int | tuple[int, ...]:
+    """A size of the config over every layer: one int where all layers share it (0 where the config
+    has none), else the tuple of its values. Some configs hold a list per layer (Gemma 3n's
+    intermediate_size), and a heterogeneous config (Gemma 4: its global-attention layers'
+    num_key_value_heads) raises on a global read of a per-layer size: each layer's config says."""
+    try:
+        value = getattr(cfg, name, None)
+    except RuntimeError:  # transformers' AmbiguousGlobalPerLayerAttributeError
+        value = [getattr(layer, name, None) for layer in cfg.per_layer_config]
+    values = tuple(dict.fromkeys(int(v) for v in (value if isinstance(value, (list, tuple)) else [value]) if v))
+    return values[0] if len(values) == 1 else values or 0

@@ -273,16 +273,17 @@ def _check_in(flag: str, values: tuple[str, ...], allowed: tuple[str, ...]) -> N
 
 @dataclass(frozen=True)
 class ModelShape:
-    """What TP validation needs from a model's config."""
+    """What TP validation needs from a model's config. A size that differs from layer to layer
+    (a list per layer, or per-layer overrides) is the tuple of the values it takes."""
 
     model_type: str
-    num_attention_heads: int
-    num_key_value_heads: int
-    intermediate_size: int
+    num_attention_heads: int | tuple[int, ...]
+    num_key_value_heads: int | tuple[int, ...]
+    intermediate_size: int | tuple[int, ...]
     vocab_size: int
     tp_styles: dict[str, str]
     attention: str | None = None  # what makes its attention other than causal over the whole sequence
-    moe_intermediate_size: int = 0  # an expert's MLP width, where the config names one apart
+    moe_intermediate_size: int | tuple[int, ...] = 0  # an expert's MLP width, where the config names one apart
 
 
 # Layer types whose attention sees other keys than every earlier one of the sequence.
@@ -321,8 +322,9 @@ def validate_against_model(plan: Plan, shape: ModelShape, visible_devices: int |
         for what, n in (("attention heads", shape.num_attention_heads), ("key/value heads", shape.num_key_value_heads),
                         ("MLP width (intermediate_size)", shape.intermediate_size),
                         ("expert MLP width (moe_intermediate_size)", shape.moe_intermediate_size)):
-            if n % tp:
-                raise InputError(f"--tp {tp} does not divide the model's {n} {what}")
+            for value in (n if isinstance(n, tuple) else (n,)):
+                if value % tp:
+                    raise InputError(f"--tp {tp} does not divide the model's {value} {what}")
         if "hf" in plan.matrix.engines and shape.vocab_size % tp and any("gather_output" in s for s in shape.tp_styles.values()):
             raise InputError(f"--tp {tp} does not divide the vocabulary ({shape.vocab_size}), which the lm_head shards")
         if visible_devices is not None and tp > visible_devices * nnodes:
