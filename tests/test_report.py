@@ -327,12 +327,29 @@ def test_the_lowest_bitwise_equal_tile_skips_a_pair_with_no_comparable_row():
     from repaudit.report.headline import tiles
 
     def pair(label, equal, comparable):
-        result = SimpleNamespace(bitwise_equal=equal, comparable=comparable, ulp_max=1, prob_max=0.0, shared_prompts=[])
+        result = SimpleNamespace(bitwise_equal=equal, comparable=comparable, ulp_max=1, prob_max=0.0, shared_prompts=[],
+                                 identical=False)
         return SimpleNamespace(label=label, outcome="fail", result=result, divergences=[])
 
     data = SimpleNamespace(kind="diff", pairs=[pair("forked", 0, 0), pair("tp1 bs4", 12, 15), pair("tp2", 15, 15)])
     (tile,) = [t for t in tiles(data) if t.label == "lowest bitwise-equal"]
     assert tile.value == "80.00%" and "12/15" in tile.detail and "tp1 bs4" in tile.detail and tile.tone == "fail"
+
+
+@pytest.mark.parametrize("identical, value, tone", [(True, "none", "pass"),
+                                                     (False, "none in tokens or logprobs", "warn")])
+def test_the_earliest_divergence_tile_is_not_green_for_a_pair_that_differs_elsewhere(identical, value, tone):
+    """A pair whose tokens and logprob bits all agree but whose top-k or row digests differ fails
+    the gate; the tile said "none" in green beside the FAIL verdict."""
+    from types import SimpleNamespace
+
+    from repaudit.report.headline import tiles
+
+    result = SimpleNamespace(bitwise_equal=15, comparable=15, ulp_max=0, prob_max=0.0, shared_prompts=[],
+                             identical=identical)
+    data = SimpleNamespace(kind="diff", pairs=[SimpleNamespace(label="tp2", outcome="x", result=result, divergences=[])])
+    (tile,) = [t for t in tiles(data) if t.label == "earliest divergence"]
+    assert (tile.value, tile.tone) == (value, tone)
 
 
 @pytest.mark.parametrize("cell, want", [

@@ -80,8 +80,11 @@ def tiles(data: ReportData) -> list[Tile]:
         if firsts:
             pos, label, prompt = min(firsts)
             out.append(Tile("earliest divergence", f"pos {pos}", f"{label} · {prompt}", "fail"))
-        else:
+        elif all(r.identical for _, _, r in results):
             out.append(Tile("earliest divergence", "none", "", "pass"))
+        else:  # no token or logprob differs, yet a pair is not identical: its top-k or row digests are
+            out.append(Tile("earliest divergence", "none in tokens or logprobs", "other columns differ (top-k, row digests)",
+                            "warn"))
         shared = sum(len(r.shared_prompts) for _, _, r in results)
         forked = sum(not p.token_match for _, _, r in results for p in r.shared_prompts)
         out.append(Tile("sequences that fork", f"{forked}/{shared}", "tokens differ (prompt × pair)",
