@@ -89,6 +89,15 @@ def test_tree_sum_order_and_forms():
         tbik.tree_sum(parts[:3])
 
 
+def test_tree_sum_refuses_partials_that_torch_would_broadcast_or_promote():
+    with pytest.raises(ValueError, match="shape"):
+        tbik.tree_sum([torch.ones(2, 3), torch.ones(3)])
+    with pytest.raises(TypeError, match="dtype"):
+        tbik.tree_sum([torch.ones(2), torch.ones(2, dtype=torch.bfloat16)])
+    with pytest.raises(ValueError, match="0-d"):
+        tbik.tree_sum(torch.tensor(1.0))
+
+
 @pytest.mark.parametrize("p", [1, 2, 4, 8])
 def test_fused_tree_sum_kernel_matches_torch_adds(p):
     # The CUDA path (one Triton kernel over the gathered buffer), run by the interpreter.

@@ -57,11 +57,22 @@ def tree_sum(partials: Sequence[torch.Tensor] | torch.Tensor) -> torch.Tensor:
     adds do. fp32 addition is correctly rounded either way, so both give the same bits.
     """
     if isinstance(partials, torch.Tensor):
+        if partials.dim() == 0:
+            raise ValueError("tree_sum needs the partials stacked on dim 0, got a 0-d tensor")
         stacked = partials
         count = stacked.shape[0]
     else:
         count = len(partials)
     _check_power_of_two(count, "the number of partials")
+    if not isinstance(partials, torch.Tensor):
+        # torch's adds would broadcast or promote them without a word
+        p0 = partials[0]
+        for p in partials[1:]:
+            if p.shape != p0.shape or p.device != p0.device:
+                raise ValueError(f"partials must share a shape and device, got {tuple(p0.shape)} on {p0.device} "
+                                 f"and {tuple(p.shape)} on {p.device}")
+            if p.dtype != p0.dtype:
+                raise TypeError(f"partials must share a dtype, got {p0.dtype} and {p.dtype}")
     first = stacked if isinstance(partials, torch.Tensor) else partials[0]
     if backend.on_cpu(first):
         return _tree_sum_torch(list(stacked.unbind(0)) if isinstance(partials, torch.Tensor) else partials)

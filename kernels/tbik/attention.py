@@ -47,6 +47,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, start: torch
         end = torch.full((bsz,), s_len, dtype=torch.int32, device=q.device)
     elif end.shape != (bsz,):
         raise ValueError(f"end must have shape ({bsz},), got {tuple(end.shape)}")
+    if start.device.type == "cpu" and end.device.type == "cpu" \
+            and bool(((start < 0) | (end < 0) | (end > s_len)).any()):
+        # (checked where it costs no device sync) a kernel would read keys outside the tensors
+        raise ValueError(f"start must be >= 0 and end within [0, S={s_len}], got start {start.tolist()} "
+                         f"and end {end.tolist()}")
     if scale is None:
         scale = 1.0 / math.sqrt(dim)
     if backend.on_cpu(q):

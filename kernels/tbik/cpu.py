@@ -68,10 +68,13 @@ def matmul_partial(a_shard, b_shard, *, tp_size: int, num_chunks: int) -> torch.
 
 
 def log_softmax(x: torch.Tensor, dim: int = -1, dtype=None) -> torch.Tensor:
-    x = x.movedim(dim, -1).to(dtype or x.dtype).float()
-    z = x - x.amax(dim=-1, keepdim=True)
+    out_dtype = dtype or x.dtype
+    h = x.movedim(dim, -1).to(out_dtype).float()
+    if h.shape[-1] == 0:  # amax refuses an empty dim; there is nothing to normalise
+        return h.to(out_dtype).movedim(-1, dim)
+    z = h - h.amax(dim=-1, keepdim=True)
     out = z - torch.log(_tree_sum(torch.exp(z)))[..., None]
-    return out.to(dtype or x.dtype).movedim(-1, dim)
+    return out.to(out_dtype).movedim(-1, dim)
 
 
 def mean_last_dim(x: torch.Tensor, keepdim: bool = False, dtype=None) -> torch.Tensor:
@@ -93,7 +96,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     d = x.shape[-1] // 2
-    return torch.nn.functional.silu(x[..., :d]) * x[..., d:]
+    # silu(), not torch's: torch's rounds an element by whether it falls in the vectorised body
+    # or the scalar tail of a thread's range, which follows the batch's size and the strides.
+    return silu(x[..., :d]) * x[..., d:]
 
 
 def rope(positions: torch.Tensor, x: torch.Tensor, inv_freq: torch.Tensor, head_dim: int) -> torch.Tensor:
@@ -165,6 +170,10 @@ def attention(q, k, v, *, start=None, end=None, scale=None) -> torch.Tensor:
     k_rel = torch.gather(k.float(), 2, idx).repeat_interleave(group, dim=1)
     v_rel = torch.gather(v.float(), 2, idx).repeat_interleave(group, dim=1)
     qf = q.float()
+    # A key a query must not see gets weight 0, but 0 * inf is NaN: with a non-finite value in
+    # such a key (a later query's), the masked products are zeroed, or the query's bits would
+    # depend on the keys past its own position, i.e. on prefill versus decode.
+    finite_v = bool(torch.isfinite(v_rel).all())
     out = torch.empty((B, Hq, T, D), dtype=torch.float32)
     for t0 in range(0, T, ROWS_PER_BLOCK):
         rows = torch.arange(t0, min(T, t0 + ROWS_PER_BLOCK))
@@ -182,6 +191,12 @@ def attention(q, k, v, *, start=None, end=None, scale=None) -> torch.Tensor:
         e = torch.exp(scores - peak)
         denom = _tree_sum(e)
         denom = torch.where(denom > 0, denom, torch.ones_like(denom))  # a padding row attends to nothing: output 0
+        hidden = None if finite_v else ~allowed[:, None]
         for d in range(D):
-            out[:, :, rows, d] = _tree_sum(e * v_rel[:, :, None, :, d]) / denom
+            # + 0.0: a sum of zeros is -0.0 or +0.0 depending on the padded width (+0.0 pads),
+            # which follows S; the result must not, so a zero is always +0.0 (the GPU's too).
+            terms = e * v_rel[:, :, None, :, d]
+            if hidden is not None:
+                terms = terms.masked_fill(hidden, 0.0)
+            out[:, :, rows, d] = (_tree_sum(terms) + 0.0) / denom
     return out.to(q.dtype)

@@ -12,6 +12,7 @@ from . import backend, cpu
 
 NUM_CHUNKS = 8
 SUPPORTED_CHUNKS = (8, 16)
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def _check_chunks(num_chunks: int) -> None:
@@ -24,6 +25,8 @@ def _check_operands(a: torch.Tensor, b: torch.Tensor) -> None:
         raise ValueError(f"expected a [M, K] and b [K, N], got {tuple(a.shape)} and {tuple(b.shape)}")
     if a.dtype != b.dtype:
         raise TypeError(f"a and b must share a dtype, got {a.dtype} and {b.dtype}")
+    if a.dtype not in _DTYPES:  # the CPU backend would run them in fp32 and cast back
+        raise TypeError(f"tbik matmul supports bfloat16, float16 and float32, not {a.dtype}")
     if a.device != b.device:
         raise ValueError(f"a and b must be on one device, got {a.device} and {b.device}")
 
@@ -48,7 +51,9 @@ def tree_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = No
     if m == 0 or n == 0:
         return out
     if k == 0:
-        return out.copy_(bias.float().expand(m, n) if bias is not None else torch.zeros(m, n))
+        # Every leaf is empty (+0.0), and the bias joins that root: a -0.0 bias gives +0.0.
+        root = torch.zeros(m, n, device=a.device)
+        return out.copy_(root + bias.float() if bias is not None else root)
     if backend.on_cpu(a):
         return out.copy_(cpu.tree_matmul(a, b, bias, num_chunks=num_chunks, out_dtype=out.dtype))
     if bias is not None:

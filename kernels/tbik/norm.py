@@ -30,7 +30,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 def mean_last_dim(x: torch.Tensor, keepdim: bool = False, dtype: torch.dtype | None = None) -> torch.Tensor:
     """Batch-invariant mean over the last dim (fp32 accumulation, fp64 for fp64), cast to dtype."""
-    if backend.on_cpu(x) and x.shape[-1]:
+    if x.shape[-1] == 0:  # NaN, as torch's mean of nothing; the kernel's row view cannot hold it
+        shape = (*x.shape[:-1], 1) if keepdim else x.shape[:-1]
+        return torch.full(shape, float("nan"), dtype=dtype or x.dtype, device=x.device)
+    if backend.on_cpu(x):
         return cpu.mean_last_dim(x, keepdim, dtype)
     from .tl import norm
 
