@@ -12,7 +12,7 @@ from . import backend, cpu
 
 NUM_CHUNKS = 8
 SUPPORTED_CHUNKS = (8, 16)
-_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # what the tree matmul computes in
 
 
 def _check_chunks(num_chunks: int) -> None:
@@ -25,7 +25,7 @@ def _check_operands(a: torch.Tensor, b: torch.Tensor) -> None:
         raise ValueError(f"expected a [M, K] and b [K, N], got {tuple(a.shape)} and {tuple(b.shape)}")
     if a.dtype != b.dtype:
         raise TypeError(f"a and b must share a dtype, got {a.dtype} and {b.dtype}")
-    if a.dtype not in _DTYPES:  # the CPU backend would run them in fp32 and cast back
+    if a.dtype not in DTYPES:  # the CPU backend would run them in fp32 and cast back
         raise TypeError(f"tbik matmul supports bfloat16, float16 and float32, not {a.dtype}")
     if a.device != b.device:
         raise ValueError(f"a and b must be on one device, got {a.device} and {b.device}")

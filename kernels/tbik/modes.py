@@ -18,11 +18,10 @@ import warnings
 import torch
 
 from . import cpu
-from .matmul import SUPPORTED_CHUNKS, tree_matmul
+from .matmul import DTYPES, SUPPORTED_CHUNKS, tree_matmul
 from .norm import mean_last_dim
 from .softmax import log_softmax
 
-_KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 _lib: torch.library.Library | None = None
 _active: tuple[str, int] | None = None
@@ -30,7 +29,7 @@ _active: tuple[str, int] | None = None
 
 def _mm(num_chunks):
     def mm(a, b):
-        if a.dtype in _KERNEL_DTYPES and a.dtype == b.dtype:
+        if a.dtype in DTYPES and a.dtype == b.dtype:
             return tree_matmul(a, b, num_chunks=num_chunks)
         return torch.bmm(a.unsqueeze(0), b.unsqueeze(0)).squeeze(0)
 
@@ -42,7 +41,7 @@ def _addmm(num_chunks):
 
     def addmm(bias, a, b, *, beta=1, alpha=1):
         if beta == 1 and alpha == 1 and bias.dim() == 1 and bias.shape[0] == b.shape[1] \
-                and a.dtype in _KERNEL_DTYPES and a.dtype == b.dtype:
+                and a.dtype in DTYPES and a.dtype == b.dtype:
             return tree_matmul(a, b, bias, num_chunks=num_chunks)  # bias joins in fp32
         prod = mm(a, b)
         if alpha != 1:
