@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -45,6 +46,38 @@ def _suite_dir() -> Path:
 
 def builtin_suites() -> list[str]:
     return sorted(p.stem for p in _suite_dir().glob("*.jsonl"))
+
+
+# JSONL lines end at \n (\r\n and a lone \r read the same: neither may appear raw inside a JSON
+# string). str.splitlines also splits at U+2028, U+2029 and U+0085, which JSON strings may hold
+# raw (json.dumps(..., ensure_ascii=False) writes them so): a prompt with one would be cut in two.
+_LINE_END = re.compile(r"\r\n|\r|\n")
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    keys = [k for k, _ in pairs]
+    dup = sorted({k for k in keys if keys.count(k) > 1})
+    if dup:
+        # json.loads keeps the last of a repeated key without a word: {"id": "a", "id": "b"} would be b.
+        raise ValueError(f"repeated key(s) {dup} in one object")
+    return dict(pairs)
+
+
+def _utf8(where: str, obj: Any) -> None:
+    # JSON's \ud800 escape gives a lone surrogate, which no tokenizer takes and Parquet cannot
+    # store: refused here, not as a traceback at tokenizing or as a lost cell at writing its record.
+    if isinstance(obj, str):
+        try:
+            obj.encode("utf-8")
+        except UnicodeEncodeError:
+            raise InputError(f"{where}: a string holds a lone UTF-16 surrogate ({obj[:40]!r}), not text") from None
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            _utf8(where, k)
+            _utf8(where, v)
+    elif isinstance(obj, list):
+        for v in obj:
+            _utf8(where, v)
 
 
 def _parse_line(where: str, obj: Any) -> Probe:
@@ -97,14 +130,19 @@ def load_suite(name_or_path: str) -> Suite:
         raise InputError(f"{path}: not UTF-8 ({exc.reason} at byte {exc.start})") from None
     probes: list[Probe] = []
     seen: dict[str, int] = {}
-    for lineno, line in enumerate(text.splitlines(), start=1):
+    for lineno, line in enumerate(_LINE_END.split(text), start=1):
         if not line.strip():
             continue
         where = f"{path}:{lineno}"
         try:
-            obj = json.loads(line)
+            obj = json.loads(line, object_pairs_hook=_unique_keys)
         except json.JSONDecodeError as exc:
             raise InputError(f"{where}: invalid JSON ({exc.msg} at column {exc.colno})") from None
+        except ValueError as exc:
+            raise InputError(f"{where}: invalid JSON ({exc})") from None
+        except RecursionError:
+            raise InputError(f"{where}: invalid JSON (nested too deeply)") from None
+        _utf8(where, obj)
         probe = _parse_line(where, obj)
         if probe.id in seen:
             raise InputError(f"{where}: duplicate prompt id {probe.id!r} (first on line {seen[probe.id]})")

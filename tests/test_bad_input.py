@@ -81,6 +81,16 @@ def test_duplicate_prompt_ids(refuse, tmp_path):
     assert refuse("--probes", path) == f"{path}:3: duplicate prompt id 'a' (first on line 1)"
 
 
+def test_probe_file_with_a_lone_surrogate_or_deep_nesting(refuse, tmp_path):
+    # A \\ud800 escape is valid JSON but not text: the tokenizer raised TypeError (a traceback), and in an
+    # id it would reach the Parquet writer after the cell ran. Deep nesting raised RecursionError.
+    for line in ('{"id": "a", "prompt": "x \\ud800 y"}', '{"id": "\\ud800", "prompt": "xy"}'):
+        path = _suite(tmp_path, line)
+        assert refuse("--probes", path).startswith(f"{path}:1: a string holds a lone UTF-16 surrogate")
+    path = _suite(tmp_path, "[" * 100_000)
+    assert refuse("--probes", path) == f"{path}:1: invalid JSON (nested too deeply)"
+
+
 def test_unknown_probe_suite(refuse):
     assert refuse("--probes", "nope").startswith("unknown probe suite 'nope'; built-in suites: ")
 

@@ -124,11 +124,26 @@ def test_builtin_suites_are_valid_and_documented():
     (['{"id": "a", "messages": [{"role": "user"}]}'], ":1: 'messages' must be"),
     (['{"id": "a", "prompt": "x", "max_new_tokens": 0}'], ":1: 'max_new_tokens' must be a positive integer"),
     ([""], "has no prompts"),
+    # json.loads keeps the last of a repeated key silently: this line would have been prompt 'b'.
+    (['{"id": "a", "id": "b", "prompt": "x"}'], ":1: invalid JSON (repeated key"),
 ])
 def test_malformed_probe_files_name_the_line(tmp_path, lines, message):
     path = tmp_path / "suite.jsonl"
     path.write_text("\n".join(lines) + "\n")
     with pytest.raises(InputError, match=json.dumps(message)[1:-1].replace("(", r"\(").replace(")", r"\)")):
+        load_suite(str(path))
+
+
+def test_probe_lines_end_at_newlines_only(tmp_path):
+    # str.splitlines cut a prompt holding a raw U+2028, U+2029 or U+0085 (valid inside a JSON string,
+    # and how json.dumps(ensure_ascii=False) writes them) into two invalid lines.
+    path = tmp_path / "suite.jsonl"
+    lines = [json.dumps({"id": f"p{i}", "prompt": f"x{ch}y"}, ensure_ascii=False) for i, ch in enumerate("\u2028\u2029\x85")]
+    path.write_bytes(("\r\n".join(lines[:2]) + "\n\n" + lines[2]).encode())  # CRLF, a blank line, no final newline
+    suite = load_suite(str(path))
+    assert [(p.id, p.prompt) for p in suite.probes] == [("p0", "x\u2028y"), ("p1", "x\u2029y"), ("p2", "x\x85y")]
+    path.write_bytes(f'{lines[0]}\n{{"id": "p0", "prompt": "z"}}\n'.encode())
+    with pytest.raises(InputError, match=":2: duplicate prompt id 'p0' \\(first on line 1\\)"):
         load_suite(str(path))
 
 
