@@ -300,6 +300,11 @@ BAD_METADATA = [
     ({KEY_CELL: '{"tp": 1}'}, "must be an object with an 'id'"),
     ({KEY_PHASES: '["answer"]'}, "must be a list of prompt, completion"),
     ({KEY_PHASES: "[not json"}, "is not valid JSON"),
+    # These raised TypeError (set() of unhashable items) and RecursionError: tracebacks, not exit 2.
+    ({KEY_PHASES: '[["prompt"]]'}, "must be a list of prompt, completion"),
+    ({KEY_PHASES: '[{"a": 1}]'}, "must be a list of prompt, completion"),
+    ({KEY_PHASES: "[" * 100_000}, "is not valid JSON"),
+    ({KEY_CELL: "[" * 100_000}, "is not valid JSON"),
     ({KEY_CELL: "[1]"}, "must be an object with an 'id'"),
     ({KEY_ENV: "3"}, "'repaudit.env' must be a JSON object"),
     ({"repaudit.probes": "[]"}, "'repaudit.probes' must be a JSON object"),

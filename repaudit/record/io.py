@@ -284,7 +284,7 @@ def _validated(path: Path) -> tuple[pq.ParquetFile, RecordMeta]:
             raise InputError(f"{path}: metadata key {key!r} is missing")
         try:
             values[key] = json.loads(blob)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nesting deeper than the parser's stack
             raise InputError(f"{path}: metadata key {key!r} is not valid JSON") from None
     _check_schema(path, schema)
     if not isinstance(values[KEY_CELL], dict) or "id" not in values[KEY_CELL]:
@@ -301,9 +301,10 @@ def _validated(path: Path) -> tuple[pq.ParquetFile, RecordMeta]:
     if phases is not None:
         try:
             phases = json.loads(phases)
-        except ValueError:
+        except (ValueError, RecursionError):
             raise InputError(f"{path}: metadata key {KEY_PHASES!r} is not valid JSON") from None
-        if not isinstance(phases, list) or not set(phases) <= set(PHASES):
+        # isinstance first: set() of a list holding a list or an object raises TypeError
+        if not isinstance(phases, list) or not all(isinstance(p, str) for p in phases) or not set(phases) <= set(PHASES):
             raise InputError(f"{path}: metadata {KEY_PHASES!r} must be a list of {', '.join(PHASES)}")
     meta = RecordMeta(
         phases=phases,
