@@ -74,6 +74,11 @@ def test_an_unreadable_store_is_made_again_and_a_read_only_run_still_gates(tmp_p
     (run / FILE).write_text("{not json")
     assert gate_mod.gate_run(gate_mod.load_run(run), Thresholds()).passed
     assert json.loads((run / FILE).read_text())["version"] == stored.VERSION
+    # valid JSON of another shape: "pairs" a list raised AttributeError at the first lookup
+    for pairs in ([], "x", None):
+        (run / FILE).write_text(json.dumps({"version": stored.VERSION, "pairs": pairs}))
+        assert gate_mod.gate_run(gate_mod.load_run(run), Thresholds()).passed
+        assert isinstance(json.loads((run / FILE).read_text())["pairs"], dict)
     (run / FILE).unlink()
 
     def read_only(path, text):

@@ -95,7 +95,8 @@ class Store:
         self.changed = False
         try:
             data = json.loads(self.path.read_text())
-            if data.get("version") == VERSION:
+            # "pairs" of another shape (a list) would raise at the first get(), not read as unreadable
+            if data.get("version") == VERSION and isinstance(data["pairs"], dict):
                 self.pairs = data["pairs"]
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             pass  # absent or unreadable: every pair is diffed again, and the file rewritten
