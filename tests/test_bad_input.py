@@ -241,3 +241,5 @@ def test_probe_file_that_is_not_a_file(refuse, tmp_path):
 def test_usage_errors_are_one_line_too(refuse):
     assert refuse("--no-such-flag").startswith("No such option: --no-such-flag")
     assert refuse("--topk", "x").startswith("Invalid value for '--topk'")
+    # more than the vocabulary: every cell's job failed in torch.topk, after loading the model
+    assert refuse("--topk", "100000").startswith("--topk 100000 exceeds the model's vocabulary (")

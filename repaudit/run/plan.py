@@ -318,6 +318,8 @@ INVARIANT_STYLES = {"colwise", "colwise_rep", "colwise_gather_output", "rowwise"
 
 def validate_against_model(plan: Plan, shape: ModelShape, visible_devices: int | None, nnodes: int = 1) -> None:
     """Checks that need the model's config and the machine: fail in a second, not after an hour."""
+    if plan.matrix.topk > shape.vocab_size:  # torch.topk would raise in every cell's job, after the model loaded
+        raise InputError(f"--topk {plan.matrix.topk} exceeds the model's vocabulary ({shape.vocab_size} tokens)")
     for tp in sorted({c.tp for c in plan.cells}):
         for what, n in (("attention heads", shape.num_attention_heads), ("key/value heads", shape.num_key_value_heads),
                         ("MLP width (intermediate_size)", shape.intermediate_size),
