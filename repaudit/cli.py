@@ -10,7 +10,7 @@ import typer
 
 from . import commands
 from .compare.result import Thresholds
-from .errors import EXIT_INPUT, InputError, os_error_exit_code
+from .errors import EXIT_INPUT, EXIT_INTERRUPTED, InputError, os_error_exit_code
 
 app = typer.Typer(
     add_completion=False,
@@ -200,8 +200,8 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(str(exc))
     except typer.Exit as exc:
         return exc.exit_code
-    except (typer.Abort, KeyboardInterrupt):
-        return _fail("interrupted")
+    except (typer.Abort, KeyboardInterrupt):  # outside a command's body (typer answers 130 inside it)
+        return _fail("interrupted", EXIT_INTERRUPTED)
     except PermissionError as exc:
         return _fail(f"permission denied: {exc.filename or exc}")
     except OSError as exc:

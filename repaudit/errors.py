@@ -12,6 +12,7 @@ import errno
 
 EXIT_INPUT = 2
 EXIT_ENVIRONMENT = 5
+EXIT_INTERRUPTED = 130  # 128 + SIGINT; typer gives a command Ctrl-C stopped the same code
 
 # A path the user named that does not exist, is of the wrong kind, or is not theirs to use:
 # fixing the command fixes these. Any other OS error is the machine's (a full disk, a read-only

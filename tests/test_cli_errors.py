@@ -116,3 +116,15 @@ def test_run_refuses_a_trailing_comma_in_a_list(tmp_path, capsys):
     rc, err = main(capsys, "run", "--model", "builtin:tiny-qwen3", "--tp", "1,2,", "--out", tmp_path / "run")
     assert rc == EXIT_INPUT and len(err) == 1 and "--tp" in err[0]
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("where", ["command", "parsing"])
+def test_ctrl_c_exits_130_wherever_it_lands(capsys, monkeypatch, pair, where):
+    """Ctrl-C inside a command's body exits 130 (typer's answer); one that landed outside it,
+    while typer parsed the arguments, exited 2, the code of bad input."""
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(*((cli.commands, "diff") if where == "command" else (cli, "app")), interrupted)
+    rc, err = main(capsys, "diff", *pair)
+    assert rc == 130 and err in ([], ["repaudit: error: interrupted"])
