@@ -434,3 +434,40 @@ def test_summary_markdown_table_is_one_table_and_prints_inf_as_inf():
     cells = lambda line: len(re.split(r"(?<!\\)\|", line)) - 2  # noqa: E731 - unescaped pipes
     assert cells(lines[at]) == cells(lines[at + 1]) == cells(lines[at + 3]) == len(HEADER)
     assert "| inf |" in lines[at + 3] and "'inf'" not in md
+
+
+def _hub_like_copy(dst: Path, blob: str) -> Path:
+    """The built-in model laid out as a Hub snapshot: the weights a link to a blob named by its sha256."""
+    import shutil
+
+    from repaudit import builtin
+
+    src = builtin.ensure("builtin:tiny-qwen3")
+    (dst / "blobs").mkdir(parents=True, exist_ok=True)
+    snap = dst / "snapshot"
+    if snap.exists():
+        shutil.rmtree(snap)
+    shutil.copytree(src, snap, ignore=shutil.ignore_patterns("model.safetensors"))
+    shutil.copyfile(src / "model.safetensors", dst / "blobs" / blob)
+    (snap / "model.safetensors").symlink_to(dst / "blobs" / blob)
+    return snap
+
+
+def test_a_record_of_other_weights_is_refused_not_reused(tmp_path: Path, capsys):
+    """The same model id with other weights (a Hub repo updated between runs): the record on disk
+    was made by other weights, and reusing it would put two models' numbers in one matrix."""
+    from repaudit.cli import main
+
+    model = _hub_like_copy(tmp_path / "m", "a" * 64)
+    out = tmp_path / "run"
+    args = ["run", "--model", str(model), "--device", "cpu", "--dtype", "float32", "--probes", "smoke",
+            "--tp", "1", "--batch-size", "1", "--kernels", "stock", "--mode", "generate", "--out", str(out)]
+    assert main(args) == 0
+    record = cell_path(out, "hf-tp1-bs1-default-stock-generate")
+    before = _sha(record)
+    _hub_like_copy(tmp_path / "m", "b" * 64)
+    capsys.readouterr()
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "other weights" in err and "use another --out" in err, err
+    assert _sha(record) == before

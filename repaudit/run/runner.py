@@ -71,7 +71,8 @@ def needs_reference(plan: Plan, prompts: list[PromptSpec]) -> bool:
     return "score" in plan.matrix.modes and any(p.completion is None for p in prompts)
 
 
-def _check_existing(run_dir: Path, plan: Plan, settings: dict[str, dict[str, Any]]) -> dict[str, RecordMeta]:
+def _check_existing(run_dir: Path, plan: Plan, settings: dict[str, dict[str, Any]], ref: ModelRef,
+                    tok_meta: dict[str, Any]) -> dict[str, RecordMeta]:
     """Cells already on disk: reused when made with the same settings, refused otherwise."""
     done = {}
     for cid, want in settings.items():
@@ -79,6 +80,13 @@ def _check_existing(run_dir: Path, plan: Plan, settings: dict[str, dict[str, Any
         if not path.exists():
             continue
         meta = read_meta(path)
+        # The settings name the model by id only; a Hub repo (or a local directory) updated since
+        # keeps its id, and its records would put two models' numbers in one matrix.
+        for what, had, has in (("weights", meta.model.get("weights_sha256"), ref.weights_sha256),
+                               ("tokenizer", meta.tokenizer.get("sha256"), tok_meta.get("sha256"))):
+            if had != has:
+                raise InputError(f"{run_dir} already holds cell {cid} made with other {what} of {ref.id} "
+                                 f"(sha256 {had} → {has}); use another --out")
         have = meta.cell
         if have != want:
             diff = ", ".join(f"{k}: {have.get(k)!r} → {want.get(k)!r}" for k in sorted(set(have) | set(want)) if have.get(k) != want.get(k))
@@ -206,7 +214,7 @@ def run(matrix: Matrix, opts: RunOptions, console: Console | None = None,
     with RunLock(run_dir) if leader else contextlib.nullcontext() as lock:
         if leader:
             remove_partial_files(run_dir)
-        already = _check_existing(run_dir, plan, settings) if leader else {}
+        already = _check_existing(run_dir, plan, settings, ref, tok_meta) if leader else {}
         manifest = Manifest.load_or_new(run_dir)
         m = manifest.data
         m.command, m.matrix, m.baseline = opts.argv, _matrix_json(plan), plan.baseline.id
