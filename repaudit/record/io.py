@@ -89,6 +89,14 @@ def _json(value: Any) -> bytes:
     return json.dumps(value, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
 
 
+def string_codes(values: list[str]) -> tuple[list[str], np.ndarray]:
+    """The sorted distinct strings and each value's index among them (int64). Python strings, not
+    numpy's fixed-width str, which drops trailing NULs: "a\0" would be "a"."""
+    uniq = sorted(set(values))
+    code_of = {v: i for i, v in enumerate(uniq)}
+    return uniq, np.fromiter(map(code_of.__getitem__, values), np.int64, len(values))
+
+
 def build_table(
     *,
     prompt_id: Sequence[str],
@@ -129,10 +137,7 @@ def build_table(
     if n and pos_a.min() < 0:
         raise InputError(f"pos must be >= 0 (got {int(pos_a.min())})")
 
-    # Python strings, not numpy's fixed-width str: that drops trailing NULs, so "a\0" would be "a".
-    uniq = sorted(set(ids.tolist()))
-    code_of = {p: i for i, p in enumerate(uniq)}
-    codes = np.fromiter((code_of[p] for p in ids.tolist()), dtype=np.int64, count=n)
+    uniq, codes = string_codes(ids.tolist())
     order = np.lexsort((pos_a, codes))
     codes, pos_sorted = codes[order], pos_a[order]
     dup = (codes[1:] == codes[:-1]) & (pos_sorted[1:] == pos_sorted[:-1])

@@ -12,6 +12,8 @@ import numpy as np
 import pyarrow as pa
 import torch
 
+from ..record.io import string_codes
+
 
 @dataclass
 class Layout:
@@ -207,8 +209,7 @@ def traced_tokens(keys: list[tuple[np.ndarray, np.ndarray]]) -> tuple[list[str],
     and whether no token is in two forwards."""
     pids = np.concatenate([p for p, _ in keys]).tolist()
     pos = np.concatenate([q for _, q in keys]).astype(np.int64)
-    prompts = sorted(set(pids))  # Python strings: numpy's fixed-width str drops trailing NULs
-    code = np.fromiter(map({p: i for i, p in enumerate(prompts)}.__getitem__, pids), np.int64, len(pids))
+    prompts, code = string_codes(pids)
     span = int(pos.max()) + 1 if len(pos) else 1
     tokens, token = np.unique(code * span + pos, return_inverse=True)
     split = np.cumsum([len(q) for _, q in keys])[:-1]
