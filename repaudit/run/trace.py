@@ -257,7 +257,7 @@ class Tracer:
         return hook
 
     def _record(self, name: str, out: Any, inputs: list[Any], routing: bool = False) -> _Entry | None:
-        if self._ctx is None or not isinstance(out, torch.Tensor) or out.dtype not in BITS:
+        if self._ctx is None or not isinstance(out, torch.Tensor) or out.dtype not in BITS or name in self._skipped:
             return None
         (batch, length), rows = self._ctx
         # [batch, length, ...] or, as MoE layers flatten them, [batch * length, features]
@@ -269,7 +269,7 @@ class Tracer:
         calls = self.calls.get(name)
         # Shaped per token at one call only, or a row that changes width (MLA's kv_b_proj expands the whole
         # cached latents: [batch, 1, cached, features], per token in shape at a decode step): no token's row.
-        if name in self._skipped or whole is None or (calls is not None and whole.shape[1] != calls.width):
+        if whole is None or (calls is not None and whole.shape[1] != calls.width):
             self._skipped.add(name)
             return None
         if calls is None:
