@@ -7,6 +7,7 @@ generated token, converted into record rows). Runs alternate, median of --runs.
 With stock first in --kernels, every later mode's row also gets `stock_plain_tok_s`,
 `ratio_vs_stock` (its cell against plain stock vLLM) and `plain_ratio_vs_stock` (plain vLLM in
 this mode against plain stock vLLM: what tbik through the plugin costs a user's generation).
+Every row has `prefill_only_s`: the prompts alone (one new token each, median of three).
 
 One process per kernel mode (vLLM reads its switches at start-up), so the script starts itself
 once per mode with --one and gathers the rows:
@@ -17,6 +18,10 @@ once per mode with --one and gathers the rows:
 of them (tests/test_vllm_engine.py converts them again on CPU and compares bit for bit), and
 beside F, vllm_capture.json: the same requests with vLLM's own logprobs and captured in its
 workers (tests/test_vllm_capture.py checks that both give the same rows).
+
+--profile DIR then profiles one plain generation and one cell in every worker (GPU time per
+kernel); with --timeline the plain one records the host's ops too, and rank 0's Chrome trace
+and its GPU idle gaps (benchmarks/timeline.py) land in DIR.
 """
 
 from __future__ import annotations
@@ -107,6 +112,15 @@ def one(args) -> dict:
     if lp_before is not None:  # the same share between two of vLLM's own runs: how far the batch itself moves the bits
         row["vllm_logprobs_runs_equal"] = _same_rows(_rows(lp_before, seqs, args.topk), lp_rows)
     row["ratio"] = row["repaudit_tok_s"] / row["plain_tok_s"]
+    # The prompts alone (one new token each): the prefill steps, which run outside vLLM's CUDA
+    # graphs once a step holds more tokens than its largest captured size.
+    one = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False)
+    prefill = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        llm.generate(requests, one, use_tqdm=False)
+        prefill.append(time.perf_counter() - t0)
+    row["prefill_only_s"] = statistics.median(prefill)
     if json.loads(args.vllm_args):
         row["vllm_args"] = json.loads(args.vllm_args)
     if args.profile:
@@ -144,11 +158,19 @@ def _profile(llm, run, args, label: str) -> None:
     """One generation (`run`: a plain one or a cell's; it answers its generated tokens) with
     torch.profiler in every worker: GPU time per kernel and per op kind, written to --profile
     DIR/vllm-<kernels>-tp<N>[-cell].json and printed for rank 0."""
-    llm.collective_rpc("repaudit_profile_begin")
+    timeline = args.timeline and label == "plain"
+    trace = str(Path(args.profile).resolve() / f"timeline-{args.kernels}-tp{args.tp}-rank{{rank}}.json") if timeline else None
+    if timeline:
+        Path(args.profile).mkdir(parents=True, exist_ok=True)
+    llm.collective_rpc("repaudit_profile_begin", args=(timeline,))
     t0 = time.perf_counter()
     tokens = run()
     wall = time.perf_counter() - t0
-    ranks = llm.collective_rpc("repaudit_profile_end")
+    ranks = llm.collective_rpc("repaudit_profile_end", args=(trace,))
+    if trace:
+        import timeline as gaps  # benchmarks/timeline.py, beside this file
+
+        gaps.summarise(trace.format(rank=0), Path(args.profile) / f"gaps-{args.kernels}-tp{args.tp}.json", wall)
     summary = []
     for rank, kernels in enumerate(ranks):
         kinds: dict[str, float] = {}
@@ -247,6 +269,8 @@ def main() -> None:
     ap.add_argument("--json", help="append rows to this JSON file (a list)")
     ap.add_argument("--fixture")
     ap.add_argument("--profile", metavar="DIR", help="then profile one plain generation in every worker: GPU time per kernel, in DIR")
+    ap.add_argument("--timeline", action="store_true",
+                    help="with --profile: the plain generation's host ops too; rank 0's Chrome trace (gzipped) and its GPU idle gaps, in DIR")
     ap.add_argument("--stall", type=float, default=480, help="seconds after which a mode's process prints its stack and exits")
     ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -261,7 +285,7 @@ def main() -> None:
         cmd = [sys.executable, __file__, "--one", "--model", args.model, "--tp", str(args.tp), "--kernels", k,
                "--prompts", str(args.prompts), "--new", str(args.new), "--topk", str(args.topk), "--runs", str(args.runs),
                "--vllm-args", args.vllm_args, "--stall", str(args.stall)] + (["--fixture", args.fixture] if args.fixture and k == "stock" else []) \
-            + (["--profile", args.profile] if args.profile else [])
+            + (["--profile", args.profile] if args.profile else []) + (["--timeline"] if args.timeline else [])
         # The child's output streams through (vLLM's progress bars left out), so a log shows how far a
         # mode got even when a time limit ends it.
         found = []

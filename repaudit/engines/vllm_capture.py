@@ -129,21 +129,28 @@ class CaptureWorker:
         launches): what a cell adds to each step, where vLLM's step waits for the host."""
         return _last_host_s
 
-    def repaudit_profile_begin(self) -> None:
+    def repaudit_profile_begin(self, timeline: bool = False) -> None:
         """torch.profiler over this worker's CUDA kernels, CUDA-graph replays included, until
-        repaudit_profile_end (benchmarks/vllm_speed.py --profile: where a step's GPU time goes)."""
+        repaudit_profile_end (benchmarks/vllm_speed.py --profile: where a step's GPU time goes);
+        with `timeline`, the host's ops and runtime calls too, for the GPU's idle gaps."""
         import torch
 
-        self._repaudit_profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+        activities = [torch.profiler.ProfilerActivity.CUDA]
+        if timeline:
+            activities.append(torch.profiler.ProfilerActivity.CPU)
+        self._repaudit_profiler = torch.profiler.profile(activities=activities)
         self._repaudit_profiler.__enter__()
 
-    def repaudit_profile_end(self) -> list[dict]:
-        """This worker's kernels, most GPU time first: name, launches, total microseconds."""
+    def repaudit_profile_end(self, trace: str | None = None) -> list[dict]:
+        """This worker's kernels, most GPU time first: name, launches, total microseconds. With
+        `trace` (a path with {rank} in it), rank 0 also writes the profile as a Chrome trace."""
         import torch
 
         prof, self._repaudit_profiler = self._repaudit_profiler, None
         torch.cuda.synchronize()
         prof.__exit__(None, None, None)
+        if trace and getattr(self, "rank", 0) == 0:
+            prof.export_chrome_trace(trace.format(rank=0))
         kernels = [{"name": e.key, "count": e.count, "us": e.self_device_time_total}
                    for e in prof.key_averages() if e.self_device_time_total > 0]
         return sorted(kernels, key=lambda k: -k["us"])
