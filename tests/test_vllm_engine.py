@@ -348,6 +348,43 @@ def test_the_plugins_tbik_ops_are_custom_ops_that_torch_compile_can_trace():
     assert out.view(torch.int32).equal(whole.view(torch.int32))
 
 
+def test_every_plugin_op_runs_its_function_and_its_fake_matches_what_it_returns():
+    """Each torch.ops.repaudit op gives its function's bits (CPU backend here), and its fake,
+    which torch.compile traces vLLM's graph with, gives the real output's shapes and dtypes: a
+    wrong fake would compile a graph around tensors the op never returns."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from repaudit.engines import hf_ops
+
+    vllm_plugin._define_ops()
+    g = torch.Generator().manual_seed(1)
+    bf = torch.bfloat16
+    x, res = torch.randn(6, 64, generator=g).to(bf), torch.randn(6, 64, generator=g).to(bf)
+    qkv = torch.randn(6, 4 * 16, generator=g).to(bf)
+    args = {
+        "tbik_linear": (x, torch.randn(24, 64, generator=g).to(bf), torch.randn(24, generator=g).to(bf)),
+        "tbik_partial": (x, torch.randn(24, 64, generator=g).to(bf), 2),
+        "tbik_tree_sum": (torch.randn(12, 24, generator=g), 2),
+        "hf_rms_norm": (qkv.view(6, 4, 16)[:, :2], torch.randn(16, generator=g).to(bf), 1e-6),
+        "hf_add_rms_norm": (x, res, torch.randn(64, generator=g), 1e-6),  # fp32 weight: a promoted output
+        "hf_silu_and_mul": (x,),
+        "hf_rope": (torch.arange(6), qkv[:, :32], qkv[:, 32:], hf_ops.inv_freq(10000.0, 16), 16),
+    }
+    table = vllm_plugin._op_table()
+    assert set(args) == set(table)
+    for name, op_args in args.items():
+        real = getattr(torch.ops.repaudit, name)(*op_args)
+        expected = table[name][1](*op_args)
+        real_t, expected_t = (real, expected) if isinstance(real, tuple) else ((real,), (expected,))
+        assert all(a.view(torch.uint8).equal(b.view(torch.uint8)) for a, b in zip(real_t, expected_t)), name
+        with FakeTensorMode() as mode:
+            fake_args = tuple(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in op_args)
+            fake = getattr(torch.ops.repaudit, name)(*fake_args)
+        fake_t = fake if isinstance(fake, tuple) else (fake,)
+        assert [(f.shape, f.dtype) for f in fake_t] == [(r.shape, r.dtype) for r in real_t], name
+
+
 def test_outputs_recorded_from_a_real_vllm_run_convert_to_the_same_rows():
     """tests/data/vllm_outputs.json: real vLLM 0.25.1 outputs (flat logprobs, H200, greedy) with the
     rows repaudit made of them on that machine (benchmarks/vllm_speed.py --fixture)."""

@@ -19,7 +19,7 @@ A tbik cell computes what the transformers engine computes in its tbik mode, op 
 - logprobs: tbik's log-softmax of the fp32 logits (vLLM's own kernel sums each row in another
   order: one ULP apart on about one logprob in six).
 
-The layer ops enter vLLM's graph as torch custom ops, so torch.compile treats them as opaque
+The layer ops enter vLLM's graph as torch operators, so torch.compile treats them as opaque
 calls and CUDA graphs capture their kernels. The attention kernel's grid comes from the step's
 request count and longest query, read on the host: vLLM's full decode graphs fix both (a request
 padded into one writes only its own rows), and its piecewise graphs
@@ -28,10 +28,9 @@ this file patches. A layer this plugin cannot reproduce raises, naming it, inste
 stock.
 """
 
-# No `from __future__ import annotations` here: torch.library.custom_op reads the type
-# annotations of the op functions below as objects to infer the ops' schemas.
+from __future__ import annotations
+
 import os
-from typing import Optional
 
 ENV = "REPAUDIT_VLLM_TBIK"
 # The vLLM versions this plugin and the engine were run against; others are refused up front
@@ -69,75 +68,60 @@ def register() -> None:
     linear.RowParallelLinear._repaudit_tbik = True
 
 
-def _define_ops() -> None:
+# (schema, the function the CPU and CUDA kernels run, its fake for torch.compile's tracing)
+def _op_table():
     import torch
+
+    import tbik
 
     from . import hf_ops
 
+    promoted = lambda x, weight: x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype))  # noqa: E731
+    return {
+        "tbik_linear": ("tbik_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor", hf_ops.linear,
+                        lambda x, weight, bias: x.new_empty((*x.shape[:-1], weight.shape[0]))),
+        "tbik_partial": ("tbik_partial(Tensor x, Tensor weight, int tp) -> Tensor",
+                         lambda x, weight, tp: tbik.matmul_partial(x, weight.t(), tp_size=tp),
+                         lambda x, weight, tp: x.new_empty((x.shape[0], weight.shape[0]), dtype=torch.float32)),
+        "tbik_tree_sum": ("tbik_tree_sum(Tensor gathered, int parts) -> Tensor",
+                          lambda gathered, parts: tbik.tree_sum(gathered.view(parts, -1, gathered.shape[-1])),
+                          lambda gathered, parts: gathered.new_empty((gathered.shape[0] // parts, gathered.shape[-1]))),
+        "hf_rms_norm": ("hf_rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", hf_ops.rms_norm,
+                        lambda x, weight, eps: promoted(x, weight)),
+        "hf_add_rms_norm": ("hf_add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)",
+                            hf_ops.add_rms_norm,
+                            lambda x, residual, weight, eps: (promoted(x, weight), x.new_empty(x.shape))),
+        "hf_silu_and_mul": ("hf_silu_and_mul(Tensor x) -> Tensor", hf_ops.silu_and_mul,
+                            lambda x: x.new_empty((*x.shape[:-1], x.shape[-1] // 2))),
+        "hf_rope": ("hf_rope(Tensor positions, Tensor q, Tensor k, Tensor inv_freq, int head_dim) -> (Tensor, Tensor)",
+                    hf_ops.rope, lambda positions, q, k, inv_freq, head_dim: (q.new_empty(q.shape), k.new_empty(k.shape))),
+    }
+
+
+_LIB = None  # the registrations last as long as this object
+
+
+def _define_ops() -> None:
+    """The plugin's ops as torch operators (torch.ops.repaudit.*), so torch.compile treats each
+    as one opaque call and CUDA graphs capture its kernels.
+
+    They are defined with torch.library.Library, whose Python kernels the dispatcher calls
+    directly, not torch.library.custom_op, whose per-call Python layers (autograd wrapper,
+    dynamo guard, aliasing check) cost 14-30 us more a call (benchmarks/plugin_host_bench.py):
+    host time paid op by op in the steps vLLM runs outside its CUDA graphs (prefills above its
+    largest captured size)."""
+    global _LIB
+    import torch
+
     if hasattr(torch.ops.repaudit, "tbik_linear"):
         return
-
-    @torch.library.custom_op("repaudit::tbik_linear", mutates_args=())
-    def tbik_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-        return hf_ops.linear(x, weight, bias)
-
-    @tbik_linear.register_fake
-    def _(x, weight, bias):
-        return x.new_empty((*x.shape[:-1], weight.shape[0]))
-
-    @torch.library.custom_op("repaudit::tbik_partial", mutates_args=())
-    def tbik_partial(x: torch.Tensor, weight: torch.Tensor, tp: int) -> torch.Tensor:
-        import tbik
-
-        return tbik.matmul_partial(x, weight.t(), tp_size=tp)
-
-    @tbik_partial.register_fake
-    def _(x, weight, tp):
-        return x.new_empty((x.shape[0], weight.shape[0]), dtype=torch.float32)
-
-    @torch.library.custom_op("repaudit::tbik_tree_sum", mutates_args=())
-    def tbik_tree_sum(gathered: torch.Tensor, parts: int) -> torch.Tensor:
-        import tbik
-
-        return tbik.tree_sum(gathered.view(parts, -1, gathered.shape[-1]))
-
-    @tbik_tree_sum.register_fake
-    def _(gathered, parts):
-        return gathered.new_empty((gathered.shape[0] // parts, gathered.shape[-1]))
-
-    @torch.library.custom_op("repaudit::hf_rms_norm", mutates_args=())
-    def hf_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        return hf_ops.rms_norm(x, weight, eps)
-
-    @hf_rms_norm.register_fake
-    def _(x, weight, eps):
-        return x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype))
-
-    @torch.library.custom_op("repaudit::hf_add_rms_norm", mutates_args=())
-    def hf_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-        return hf_ops.add_rms_norm(x, residual, weight, eps)
-
-    @hf_add_rms_norm.register_fake
-    def _(x, residual, weight, eps):
-        return x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype)), x.new_empty(x.shape)
-
-    @torch.library.custom_op("repaudit::hf_silu_and_mul", mutates_args=())
-    def hf_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-        return hf_ops.silu_and_mul(x)
-
-    @hf_silu_and_mul.register_fake
-    def _(x):
-        return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
-
-    @torch.library.custom_op("repaudit::hf_rope", mutates_args=())
-    def hf_rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, inv_freq: torch.Tensor,
-                head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return hf_ops.rope(positions, q, k, inv_freq, head_dim)
-
-    @hf_rope.register_fake
-    def _(positions, q, k, inv_freq, head_dim):
-        return q.new_empty(q.shape), k.new_empty(k.shape)
+    lib = torch.library.Library("repaudit", "FRAGMENT")
+    for name, (schema, fn, fake) in _op_table().items():
+        lib.define(schema)
+        for key in ("CPU", "CUDA"):
+            lib.impl(name, fn, key)
+        torch.library.register_fake(f"repaudit::{name}", fake, lib=lib)
+    _LIB = lib
 
 
 def _refuse(layer, why: str):
