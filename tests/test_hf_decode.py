@@ -282,6 +282,55 @@ def test_finished_rows_feed_what_generate_feeds_them(model_type, tmp_path):
             want = lp[torch.arange(n), tokens].numpy()
             assert np.array_equal(r.logprob.view(np.uint32), want.view(np.uint32)), (cut, r.prompt_id)
 
+@pytest.mark.parametrize("pad", [5, None])
+def test_a_finished_row_feeds_the_generation_configs_pad_as_generate_does(pad, tmp_path):
+    """generate() feeds an ended row its generation config's pad_token_id, else the first of its
+    eos_token_id, not the tokenizer's pad the prompts are padded with. In a mixture of experts
+    that token shares the experts' GEMMs with the other rows: fed the prompts' pad (0) instead,
+    the other rows' logprobs moved off generate()'s."""
+    import json
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model("olmoe", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4,
+                               num_experts_per_tok=2, initializer_range=0.1, pad_token_id=0)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(7)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model.save_pretrained(tmp_path)
+    g = np.random.default_rng(0)
+    new = 6
+    prompts = [tuple(g.integers(3, 512, n).tolist()) for n in [9, 3, 5, 12, 7]]
+    batch = [Sequence(f"p{i}", p, None, new) for i, p in enumerate(prompts)]
+    free, _ = hf.generate(hf.load(str(tmp_path), dtype="float32", device="cpu", tp=1, stop_ids=(), pad_id=0), batch, topk=0)
+    stop = int(free[0].token_id[1])  # the first row ends at its second token
+    # The model's own generation config: the stop id (and another), and `pad` or none.
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [stop, 11], "pad_token_id": pad}))
+    hfm = hf.load(str(tmp_path), dtype="float32", device="cpu", tp=1, stop_ids=(stop, 11), pad_id=0)
+    assert hfm.finished_feed_id == (pad if pad is not None else stop)
+
+    T = max(map(len, prompts))
+    ids = torch.zeros((len(prompts), T), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, p in enumerate(prompts):
+        ids[b, T - len(p):] = torch.tensor(p)
+        mask[b, T - len(p):] = 1
+    with torch.inference_mode():  # generate() with the model's generation config, as a user calls it
+        out = hfm.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, do_sample=False,
+                                 output_logits=True, return_dict_in_generate=True)
+    rows, _ = hf.generate(hfm, batch, topk=0)
+    assert [len(r.pos) for r in rows][0] == 2 and max(len(r.pos) for r in rows) == new
+    for b, r in enumerate(rows):
+        n = len(r.pos)
+        tokens = out.sequences[b, T:T + n]
+        lp = torch.log_softmax(torch.stack([step[b] for step in out.logits[:n]]).float(), -1)
+        assert np.array_equal(r.token_id, tokens.numpy()), r.prompt_id
+        assert np.array_equal(r.logprob.view(np.uint32), lp[torch.arange(n), tokens].numpy().view(np.uint32)), r.prompt_id
+
+
 def test_a_generate_cell_that_stops_after_its_first_token_has_a_rate(tiny):
     """Every sequence ends on the token the prefill made: nothing decoded, but the cell generated
     tokens, and its tokens/s counts them over the prefill (it used to say 0 tok/s)."""

@@ -37,9 +37,11 @@ class HFModel:
     device: torch.device
     tp: int
     stop_ids: tuple[int, ...]  # a generation ends at the first of these (run.model.stop_ids)
-    pad_id: int
+    pad_id: int  # the prompts' padding: the tokenizer's pad (else its EOS), as a user pads a batch
     # fp32 logits [n, V] -> their log-softmax, written into `out` where given (returned)
     log_softmax: Callable[..., torch.Tensor]
+    # what a row feeds after its stop id; None: pad_id (feed_pad_id() gives generate()'s choice)
+    finished_feed_id: int | None = None
     tracer: Any = None  # a repaudit.run.trace.Tracer while a traced cell runs
     # "dynamic": transformers' DynamicCache, eager steps; "static": StaticCache, eager steps;
     # "graphs": StaticCache, steps replayed from a CUDA graph (same bits as "static").
@@ -92,7 +94,17 @@ def load(path: str, *, dtype: str, device: str, tp: int, trust_remote_code: bool
     # Every TP size decodes the same way, so a TP=1 vs TP=2 diff measures TP, not the cache.
     decode = "graphs" if local.type == "cuda" and hf_decode.static_supported(model) else "dynamic"
     return HFModel(model=model, device=local, tp=tp, stop_ids=tuple(stop_ids), pad_id=pad_id,
-                   log_softmax=_torch_log_softmax, decode=decode)
+                   finished_feed_id=feed_pad_id(model.generation_config), log_softmax=_torch_log_softmax, decode=decode)
+
+
+def feed_pad_id(generation_config) -> int | None:
+    """The token generate() feeds a row that has ended: its generation config's pad_token_id,
+    else the first of its eos_token_id (generate()'s _prepare_special_tokens), else None."""
+    pad = generation_config.pad_token_id
+    if pad is None:
+        eos = generation_config.eos_token_id
+        pad = eos[0] if isinstance(eos, (list, tuple)) and eos else eos
+    return None if pad is None or isinstance(pad, (list, tuple)) else int(pad)
 
 
 def _torch_log_softmax(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -257,6 +269,7 @@ def generate(hfm: HFModel, batch: list[Sequence], topk: int) -> tuple[list[Token
     timing = Timing(prefill_s=time.perf_counter() - t0, prefill_tokens=sum(plens))
 
     limits = torch.tensor([s.max_new_tokens for s in batch], device=hfm.device)
+    finished_feed = hfm.pad_id if hfm.finished_feed_id is None else hfm.finished_feed_id
     stop = torch.tensor(hfm.stop_ids or (-1,), device=hfm.device)
     gen_len = torch.zeros(B, dtype=torch.long, device=hfm.device)  # generated tokens so far, per sequence
     done = torch.zeros(B, dtype=torch.bool, device=hfm.device)  # recorded all its tokens
@@ -270,7 +283,7 @@ def generate(hfm: HFModel, batch: list[Sequence], topk: int) -> tuple[list[Token
         # share work by content (a mixture of experts routes each token), so it is what
         # generate() over the batch with its largest limit feeds: a stop id once, pad tokens
         # after it, and past a row's own limit its greedy tokens.
-        feed = torch.where(ended, hfm.pad_id, step["chosen"])[:, None]
+        feed = torch.where(ended, finished_feed, step["chosen"])[:, None]
         gen_len += ~done
         ended |= torch.isin(step["chosen"], stop)
         done |= ended | (gen_len >= limits)
