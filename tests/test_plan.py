@@ -93,6 +93,21 @@ def test_matrix_checked_against_model_and_machine(tp, visible, message):
         validate_against_model(plan, QWEN_LIKE, visible)
 
 
+def test_vllm_cells_may_outnumber_the_key_value_heads_by_a_multiple():
+    """vLLM copies key/value heads to several ranks where TP is a multiple of their count
+    (Qwen3-30B-A3B's 4 at TP=8); transformers' TP plan shards them, so its cells are refused."""
+    vllm_at = lambda tp, engines=("vllm",): expand(Matrix(model="m", tps=(tp,), device="cuda", engines=engines))  # noqa: E731
+    validate_against_model(vllm_at(16), QWEN_LIKE, None)  # 8 heads, 2 ranks each
+    with pytest.raises(InputError, match="--tp 16 does not divide the model's 8 key/value heads"):
+        validate_against_model(vllm_at(16, ("hf", "vllm")), QWEN_LIKE, None)
+    six = ModelShape("qwen3", num_attention_heads=24, num_key_value_heads=6, intermediate_size=192, vocab_size=384,
+                     tp_styles=QWEN_LIKE.tp_styles)
+    with pytest.raises(InputError, match="--tp 4 neither divides the model's 6 key/value heads nor is a multiple"):
+        validate_against_model(vllm_at(4), six, None)
+    with pytest.raises(InputError, match="--tp 32 does not divide the model's 16 attention heads"):
+        validate_against_model(vllm_at(32), QWEN_LIKE, None)
+
+
 def test_nccl_presets():
     assert nccl.PRESETS["tree"] == {"NCCL_ALGO": "allreduce:tree"}
     assert nccl.PRESETS["deterministic"]["NCCL_PROTO"] == "Simple"

@@ -321,12 +321,20 @@ def validate_against_model(plan: Plan, shape: ModelShape, visible_devices: int |
     if plan.matrix.topk > shape.vocab_size:  # torch.topk would raise in every cell's job, after the model loaded
         raise InputError(f"--topk {plan.matrix.topk} exceeds the model's vocabulary ({shape.vocab_size} tokens)")
     for tp in sorted({c.tp for c in plan.cells}):
+        engines = {c.engine for c in plan.cells if c.tp == tp}
         for what, n in (("attention heads", shape.num_attention_heads), ("key/value heads", shape.num_key_value_heads),
                         ("MLP width (intermediate_size)", shape.intermediate_size),
                         ("expert MLP width (moe_intermediate_size)", shape.moe_intermediate_size)):
             for value in (n if isinstance(n, tuple) else (n,)):
-                if value % tp:
+                if not value % tp:
+                    continue
+                if what != "key/value heads" or "hf" in engines:
                     raise InputError(f"--tp {tp} does not divide the model's {value} {what}")
+                # vLLM gives each rank a copy of a key/value head where TP is a multiple of
+                # their count (its Llama and Qwen attention); transformers' plan shards them.
+                if tp % value:
+                    raise InputError(f"--tp {tp} neither divides the model's {value} {what} nor is a multiple "
+                                     "of them (vLLM copies a head to several ranks only then)")
         if "hf" in plan.matrix.engines and shape.vocab_size % tp and any("gather_output" in s for s in shape.tp_styles.values()):
             raise InputError(f"--tp {tp} does not divide the vocabulary ({shape.vocab_size}), which the lm_head shards")
         if visible_devices is not None and tp > visible_devices * nnodes:
