@@ -23,7 +23,7 @@ import torch  # noqa: E402
 from tbik.tl import attention as kernels  # noqa: E402
 
 
-def _time(fn, reps: int = 50) -> float:
+def event_us(fn, reps: int = 50) -> float:
     """Median microseconds of one call, over `reps` calls each timed with CUDA events."""
     fn()
     torch.cuda.synchronize()
@@ -61,8 +61,8 @@ def main() -> None:
         for stages in (int(x) for x in args.stages.split(",")):
             kernels._meta = lambda q_, dim, stages=stages: {**plain_meta(q_, dim), "num_stages": stages}
             try:
-                grouped = _time(lambda: tbik.attention(q, k, v, start=start, end=end))
-                single = _time(lambda: tbik.attention(q, k1, v1, start=start, end=end))
+                grouped = event_us(lambda: tbik.attention(q, k, v, start=start, end=end))
+                single = event_us(lambda: tbik.attention(q, k1, v1, start=start, end=end))
                 same = torch.equal(tbik.attention(q, k, v, start=start, end=end).view(torch.int16),
                                    tbik.attention(q, k1, v1, start=start, end=end).view(torch.int16))
             finally:

@@ -24,25 +24,12 @@ sys.path[:0] = [str(ROOT), str(ROOT / "kernels")]
 import torch  # noqa: E402
 
 import tbik  # noqa: E402
+from attention_bench import event_us  # noqa: E402  (beside this file)
 from tbik.tl import attention as kernels  # noqa: E402
 
 HQ, HKV, D, BLOCK = 8, 4, 128, 16
 SETTINGS = [dict(num_warps=w, num_stages=s) for w in (4, 8) for s in (1, 2, 3, 4)] + \
     [dict(BLOCK_M=m) for m in (16, 32, 128)]
-
-
-def _time(fn, reps: int = 50) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000)
-    return sorted(times)[len(times) // 2]
 
 
 def _case(g, n_req: int, new: int, cached_lo: int, cached_hi: int):
@@ -82,14 +69,14 @@ def main() -> None:
     print("| case | setting | us | shipped us | shipped / this | bits equal |\n|---|---|---|---|---|---|")
     for name, case in cases.items():
         base = _run(case).clone()
-        base_us = _time(lambda: _run(case))
+        base_us = event_us(lambda: _run(case))
         for setting in SETTINGS:
             m = setting.get("BLOCK_M", shipped_m)
             kernels._BLOCK_M = m
             kernels._meta = lambda q_, dim, s=setting: {**shipped_meta(q_, dim), **s}
             try:
                 same = torch.equal(_run(case).view(torch.int16), base.view(torch.int16))
-                us = _time(lambda: _run(case))
+                us = event_us(lambda: _run(case))
             except Exception as e:  # a setting Triton cannot compile: say so, go on
                 same, us = f"error: {type(e).__name__}", float("nan")
             finally:

@@ -233,13 +233,13 @@ def test_rows_end_at_their_first_stop_id_with_the_bits_of_a_run_without_one(tiny
 
 
 
-@pytest.mark.parametrize("model_type", ["olmoe", "qwen2_moe"])
-def test_finished_rows_feed_what_generate_feeds_them(model_type, tmp_path):
-    """The records of a batch whose rows end at different steps (a stop id, their own token
-    limits) are model.generate()'s over the batch with its largest limit, each row cut where it
-    ends. A finished row's own rows are not recorded, but in a mixture of experts the tokens it
-    feeds share the experts' GEMMs with the other rows: feeding a pad in place of a stop id, or
-    pads past a row's own limit (as the engine did), moved the other rows' logprobs."""
+def _moe_prompts() -> list[tuple[int, ...]]:
+    g = np.random.default_rng(0)
+    return [tuple(g.integers(3, 512, n).tolist()) for n in [9, 3, 5, 12, 7]]
+
+
+def _save_tiny_moe(model_type: str, path) -> None:
+    """A two-layer mixture of experts of `model_type`, random weights (seed 7), pad id 0."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     cfg = AutoConfig.for_model(model_type, vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -251,11 +251,19 @@ def test_finished_rows_feed_what_generate_feeds_them(model_type, tmp_path):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model.save_pretrained(tmp_path)
+        model.save_pretrained(path)
+
+
+@pytest.mark.parametrize("model_type", ["olmoe", "qwen2_moe"])
+def test_finished_rows_feed_what_generate_feeds_them(model_type, tmp_path):
+    """The records of a batch whose rows end at different steps (a stop id, their own token
+    limits) are model.generate()'s over the batch with its largest limit, each row cut where it
+    ends. A finished row's own rows are not recorded, but in a mixture of experts the tokens it
+    feeds share the experts' GEMMs with the other rows: feeding a pad in place of a stop id, or
+    pads past a row's own limit (as the engine did), moved the other rows' logprobs."""
+    _save_tiny_moe(model_type, tmp_path)
     hfm = hf.load(str(tmp_path), dtype="float32", device="cpu", tp=1, stop_ids=(), pad_id=0)
-    g = np.random.default_rng(0)
-    new = 6
-    prompts = [tuple(g.integers(3, 512, n).tolist()) for n in [9, 3, 5, 12, 7]]
+    prompts, new = _moe_prompts(), 6
     free, _ = hf.generate(hfm, [Sequence(f"p{i}", p, None, new) for i, p in enumerate(prompts)], topk=0)
     hfm.stop_ids = (int(free[0].token_id[1]),)  # the first row ends at its second token
     limits = [new, 2, new, 4, new]
@@ -290,20 +298,8 @@ def test_a_finished_row_feeds_the_generation_configs_pad_as_generate_does(pad, t
     the other rows' logprobs moved off generate()'s."""
     import json
 
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    cfg = AutoConfig.for_model("olmoe", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                               num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4,
-                               num_experts_per_tok=2, initializer_range=0.1, pad_token_id=0)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(7)
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model.save_pretrained(tmp_path)
-    g = np.random.default_rng(0)
-    new = 6
-    prompts = [tuple(g.integers(3, 512, n).tolist()) for n in [9, 3, 5, 12, 7]]
+    _save_tiny_moe("olmoe", tmp_path)
+    prompts, new = _moe_prompts(), 6
     batch = [Sequence(f"p{i}", p, None, new) for i, p in enumerate(prompts)]
     free, _ = hf.generate(hf.load(str(tmp_path), dtype="float32", device="cpu", tp=1, stop_ids=(), pad_id=0), batch, topk=0)
     stop = int(free[0].token_id[1])  # the first row ends at its second token
