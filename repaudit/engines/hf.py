@@ -281,8 +281,8 @@ def generate(hfm: HFModel, batch: list[Sequence], topk: int) -> tuple[list[Token
         steps.append(step)
         # What a finished row feeds is never recorded, but it moves other rows' bits where rows
         # share work by content (a mixture of experts routes each token), so it is what
-        # generate() over the batch with its largest limit feeds: a stop id once, pad tokens
-        # after it, and past a row's own limit its greedy tokens.
+        # generate() over the batch with its largest limit feeds: a stop id once, then its
+        # generation config's pad, and past a row's own limit its greedy tokens.
         feed = torch.where(ended, finished_feed, step["chosen"])[:, None]
         gen_len += ~done
         ended |= torch.isin(step["chosen"], stop)
