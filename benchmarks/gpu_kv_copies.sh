@@ -41,9 +41,5 @@ COLUMNS=150 timeout -k 5 230 python3 -m repaudit run $C --engine vllm --tp 2 --b
 echo "vllm exit $?"
 wait
 grep -v "it/s\]" "$OUT/run-vllm.log" | tail -n 6
-for b in 1 32; do
-  COLUMNS=150 timeout 20 python3 -m repaudit diff /tmp/k/hf/cells/hf-tp1-bs1-default-tbik-generate.parquet \
-    /tmp/k/vllm/cells/vllm-tp2-bs$b-default-tbik-generate.parquet > "$OUT/diff-vllm-tp2-bs$b.txt" 2>&1; echo "diff bs$b exit $?"
-  head -n 12 "$OUT/diff-vllm-tp2-bs$b.txt"
-done
+trainer_rollout_diffs /tmp/k/hf /tmp/k/vllm
 step done

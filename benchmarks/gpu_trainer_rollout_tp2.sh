@@ -11,9 +11,5 @@ COLUMNS=150 CUDA_VISIBLE_DEVICES=0 timeout -k 5 100 python3 -m repaudit run $C -
 step "rollout: vLLM TP=2 batch 1, 32, tbik"
 COLUMNS=150 timeout -k 5 230 python3 -m repaudit run $C --engine vllm --tp 2 --batch-size 1,32 --timeout 150 --load-timeout 200 --out /tmp/r/vllm > "$OUT/run-vllm.log" 2>&1; echo "vllm exit $?"
 grep -v "it/s\]" "$OUT/run-vllm.log" | tail -n 6
-for b in 1 32; do
-  COLUMNS=150 timeout 20 python3 -m repaudit diff /tmp/r/hf/cells/hf-tp1-bs1-default-tbik-generate.parquet \
-    /tmp/r/vllm/cells/vllm-tp2-bs$b-default-tbik-generate.parquet > "$OUT/diff-vllm-tp2-bs$b.txt" 2>&1; echo "diff bs$b exit $?"
-  head -n 10 "$OUT/diff-vllm-tp2-bs$b.txt"
-done
+trainer_rollout_diffs /tmp/r/hf /tmp/r/vllm
 step done

@@ -2,8 +2,8 @@
 # root with OUT set: timed step lines, the machine and versions in $OUT/machine.txt, the carried
 # vLLM installed and on PYTHONPATH, MODEL (the built-in Qwen3-0.6B-shaped model's folder), `speed`
 # (engine_speed.py's common arguments), graph_tests (CUDA-graph replays against eager steps),
-# trace_overhead REPEATS SECONDS (benchmarks/trace_bench.py, batch 8) and run_lanes (the script's
-# lane0 and lane1 at the same time, logged to $OUT/lane0.log and lane1.log).
+# trace_overhead REPEATS SECONDS (benchmarks/trace_bench.py, batch 8), run_lanes (the script's
+# lane0 and lane1 at the same time, logged to $OUT/lane0.log and lane1.log) and trainer_rollout_diffs.
 mkdir -p "$OUT"
 START=$(date +%s)
 step() { echo "== $(date +%T) [$(( $(date +%s) - START ))s] $1"; }
@@ -31,4 +31,14 @@ run_lanes() {
   lane0 > "$OUT/lane0.log" 2>&1 &
   lane1 > "$OUT/lane1.log" 2>&1 &
   wait
+}
+
+# trainer_rollout_diffs HF_RUN VLLM_RUN: the transformers TP=1 batch 1 tbik generate cell of HF_RUN
+# against VLLM_RUN's TP=2 batch 1 and 32 cells ($OUT/diff-vllm-tp2-bs<N>.txt).
+trainer_rollout_diffs() {
+  for b in 1 32; do
+    COLUMNS=150 timeout 20 python3 -m repaudit diff "$1/cells/hf-tp1-bs1-default-tbik-generate.parquet" \
+      "$2/cells/vllm-tp2-bs$b-default-tbik-generate.parquet" > "$OUT/diff-vllm-tp2-bs$b.txt" 2>&1; echo "diff bs$b exit $?"
+    head -n 10 "$OUT/diff-vllm-tp2-bs$b.txt"
+  done
 }

@@ -238,6 +238,28 @@ def _moe_prompts() -> list[tuple[int, ...]]:
     return [tuple(g.integers(3, 512, n).tolist()) for n in [9, 3, 5, 12, 7]]
 
 
+def _left_padded(prompts) -> tuple[torch.Tensor, torch.Tensor]:
+    """input_ids and attention_mask of the prompts left-padded with 0, as generate() takes them."""
+    T = max(map(len, prompts))
+    ids = torch.zeros((len(prompts), T), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, p in enumerate(prompts):
+        ids[b, T - len(p):] = torch.tensor(p)
+        mask[b, T - len(p):] = 1
+    return ids, mask
+
+
+def _assert_rows_are_generates(rows, out, T: int) -> None:
+    """Each row's tokens and logprob bits are generate()'s (`out`, prompts padded to T), cut
+    where the row ends."""
+    for b, r in enumerate(rows):
+        n = len(r.pos)
+        tokens = out.sequences[b, T:T + n]
+        lp = torch.log_softmax(torch.stack([step[b] for step in out.logits[:n]]).float(), -1)
+        assert np.array_equal(r.token_id, tokens.numpy()), r.prompt_id
+        assert np.array_equal(r.logprob.view(np.uint32), lp[torch.arange(n), tokens].numpy().view(np.uint32)), r.prompt_id
+
+
 def _save_tiny_moe(model_type: str, path) -> None:
     """A two-layer mixture of experts of `model_type`, random weights (seed 7), pad id 0."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -268,12 +290,8 @@ def test_finished_rows_feed_what_generate_feeds_them(model_type, tmp_path):
     hfm.stop_ids = (int(free[0].token_id[1]),)  # the first row ends at its second token
     limits = [new, 2, new, 4, new]
 
-    T = max(map(len, prompts))
-    ids = torch.zeros((len(prompts), T), dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for b, p in enumerate(prompts):
-        ids[b, T - len(p):] = torch.tensor(p)
-        mask[b, T - len(p):] = 1
+    ids, mask = _left_padded(prompts)
+    T = ids.shape[1]
     config = GenerationConfig(max_new_tokens=new, do_sample=False, pad_token_id=0, eos_token_id=list(hfm.stop_ids))
     with torch.inference_mode():
         out = hfm.model.generate(input_ids=ids, attention_mask=mask, generation_config=config, output_logits=True,
@@ -282,13 +300,7 @@ def test_finished_rows_feed_what_generate_feeds_them(model_type, tmp_path):
         batch = [Sequence(f"p{i}", p, None, limits[i] if cut else new) for i, p in enumerate(prompts)]
         rows, _ = hf.generate(hfm, batch, topk=0)
         assert [len(r.pos) for r in rows] == ([2, 2, 6, 4, 6] if cut else [2, 6, 6, 6, 6])
-        for b, r in enumerate(rows):
-            n = len(r.pos)
-            tokens = out.sequences[b, T : T + n]
-            lp = torch.log_softmax(torch.stack([step[b] for step in out.logits[:n]]).float(), -1)
-            assert np.array_equal(r.token_id, tokens.numpy()), r.prompt_id
-            want = lp[torch.arange(n), tokens].numpy()
-            assert np.array_equal(r.logprob.view(np.uint32), want.view(np.uint32)), (cut, r.prompt_id)
+        _assert_rows_are_generates(rows, out, T)
 
 @pytest.mark.parametrize("pad", [5, None])
 def test_a_finished_row_feeds_the_generation_configs_pad_as_generate_does(pad, tmp_path):
@@ -308,23 +320,14 @@ def test_a_finished_row_feeds_the_generation_configs_pad_as_generate_does(pad, t
     hfm = hf.load(str(tmp_path), dtype="float32", device="cpu", tp=1, stop_ids=(stop, 11), pad_id=0)
     assert hfm.finished_feed_id == (pad if pad is not None else stop)
 
-    T = max(map(len, prompts))
-    ids = torch.zeros((len(prompts), T), dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for b, p in enumerate(prompts):
-        ids[b, T - len(p):] = torch.tensor(p)
-        mask[b, T - len(p):] = 1
+    ids, mask = _left_padded(prompts)
+    T = ids.shape[1]
     with torch.inference_mode():  # generate() with the model's generation config, as a user calls it
         out = hfm.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, do_sample=False,
                                  output_logits=True, return_dict_in_generate=True)
     rows, _ = hf.generate(hfm, batch, topk=0)
     assert [len(r.pos) for r in rows][0] == 2 and max(len(r.pos) for r in rows) == new
-    for b, r in enumerate(rows):
-        n = len(r.pos)
-        tokens = out.sequences[b, T:T + n]
-        lp = torch.log_softmax(torch.stack([step[b] for step in out.logits[:n]]).float(), -1)
-        assert np.array_equal(r.token_id, tokens.numpy()), r.prompt_id
-        assert np.array_equal(r.logprob.view(np.uint32), lp[torch.arange(n), tokens].numpy().view(np.uint32)), r.prompt_id
+    _assert_rows_are_generates(rows, out, T)
 
 
 def test_a_generate_cell_that_stops_after_its_first_token_has_a_rate(tiny):
