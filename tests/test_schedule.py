@@ -106,3 +106,54 @@ def test_a_rank_killed_from_outside_is_the_cause_but_an_abort_is_not():
     assert killed_rank(_torchrun_failures((1, -signal.SIGKILL), (0, 1))) == "rank 1 killed by SIGKILL"
     assert killed_rank(_torchrun_failures((1, -signal.SIGABRT), (0, 1))) is None
     assert killed_rank(_torchrun_failures((0, -signal.SIGTERM))) is None
+
+
+def test_a_crash_without_an_error_of_its_own_is_retried_and_a_kill_or_an_error_is_not(tmp_path):
+    """launch._settle on what a job left: the cell's try is retried only where its processes died
+    of their own crash (SIGABRT, SIGSEGV, ...) and no rank raised an error other than losing a peer,
+    and only `retries` times."""
+    import signal
+
+    from repaudit.run.launch import GroupOutcome, _Attempt, _settle, death_signals
+
+    abort = _torchrun_failures((0, -signal.SIGABRT), (1, -signal.SIGTERM))
+    assert death_signals(abort, 1) == {signal.SIGABRT}
+    assert death_signals("", -signal.SIGSEGV) == {signal.SIGSEGV}  # a vLLM job's one process
+
+    def settle(log: str, retries: int, own_error: bool = False, retried: int = 0):
+        path = tmp_path / "job.log"
+        path.write_text(log)
+        outcome = GroupOutcome(retried={"c1": ["earlier"] * retried} if retried else {})
+        attempt = _Attempt(ranks=2, loaded=True, started={"c1": 0.0})
+        attempt.failure_reason["c1"] = (1.0, "RuntimeError: Read error: Connection reset by peer")
+        if own_error:
+            attempt.own_failure.add("c1")
+        last = _settle(outcome, attempt, ["c1", "c2"], 0, path, 1, retries)
+        return last, outcome, attempt
+
+    last, outcome, attempt = settle(abort, retries=1)
+    assert not last and "c1" not in outcome.cells
+    assert attempt.retry == ("c1", "RuntimeError: Read error: Connection reset by peer (SIGABRT)")
+    assert outcome.retried == {"c1": [attempt.retry[1]]}
+    for log, kw in ((abort, {"retries": 0}), (abort, {"retries": 1, "retried": 1}),
+                    (abort, {"retries": 1, "own_error": True}),
+                    (_torchrun_failures((1, -signal.SIGKILL), (0, 1)), {"retries": 1})):
+        last, outcome, attempt = settle(log, **kw)
+        assert attempt.retry is None and outcome.cells["c1"].status == "failed", kw
+    assert outcome.cells["c1"].reason == "rank 1 killed by SIGKILL"
+
+
+def test_a_crash_names_the_line_the_process_printed_as_it_died(tmp_path):
+    """A heap corruption that glibc caught: the cell's reason carries glibc's line."""
+    import signal
+
+    from repaudit.run.launch import GroupOutcome, _Attempt, _settle, crash_line
+
+    log = "Loading weights: 100%\nmalloc(): unaligned tcache chunk detected\nW1127 Sending process 2 closing signal SIGTERM\n"
+    log += "Root Cause (first observed failure):\n" + _torchrun_failures((0, -signal.SIGABRT))
+    assert crash_line(log) == "malloc(): unaligned tcache chunk detected"
+    assert crash_line("RuntimeError: boom\n") is None
+    (tmp_path / "job.log").write_text(log)
+    outcome = GroupOutcome()
+    _settle(outcome, _Attempt(ranks=2, loaded=True, started={"c1": 0.0}), ["c1"], 0, tmp_path / "job.log", 1, 0)
+    assert outcome.cells["c1"].reason == "rank 0 killed by SIGABRT (malloc(): unaligned tcache chunk detected)"

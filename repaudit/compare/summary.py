@@ -41,7 +41,8 @@ def summarize(plan: Plan, run_dir: Path, manifest: Manifest, thresholds: Thresho
         entry = manifest.data.cells.get(cell.id, {})
         row = _row(cell, reference, entry.get("status"), entry.get("reason"))
         row.update({"seconds": entry.get("seconds"), "tokens_per_s": tokens_per_s(entry.get("timing"), cell.mode),
-                    "timing": entry.get("timing"), "ranks_differ": entry.get("ranks_differ")})
+                    "timing": entry.get("timing"), "ranks_differ": entry.get("ranks_differ"),
+                    "retried": entry.get("retried", [])})
         p = outcome.get(cell.id)
         if p is not None:
             row.update({"passed": p.passed, "identical": p.failure is None and p.result is not None and p.result.identical,
@@ -210,6 +211,10 @@ def print_summary(summary: dict[str, Any], console: Console) -> None:
         console.print(t)
     for reason, n in _refusals(cells).items():
         console.print(f"[yellow]refused, not run:[/] {n} cell(s): {escape(reason)}", soft_wrap=True)
+    for r in cells:
+        if r.get("retried"):
+            console.print(f"[yellow]ran again after its job crashed:[/] {r['cell']}: {escape('; '.join(r['retried']))}",
+                          soft_wrap=True)
     for p in summary["price"]:
         if p["compared"]:
             colour = "green" if p["identical"] == p["compared"] else "red"
@@ -226,6 +231,10 @@ def summary_markdown(summary: dict[str, Any]) -> str:
     if refused:
         lines += ["Refused, not run (the combination cannot give a meaningful cell):", ""]
         lines += [f"- `{r['cell']}`: {r['reason']}" for r in refused] + [""]
+    retried = [r for r in summary["cells"] if r.get("retried")]
+    if retried:
+        lines += ["Ran again after its job crashed (a process aborted or faulted; the record is the retry's):", ""]
+        lines += [f"- `{r['cell']}`: {'; '.join(r['retried'])}" for r in retried] + [""]
     lines += ["What each kernel mode buys and costs, from this run (tokens/s: geometric mean of each cell against",
               "the stock cell with the same other settings):", "",
               "| kernels | cells identical to their reference | tokens/s vs stock |", "|---|---|---|"]

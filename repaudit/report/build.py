@@ -156,6 +156,8 @@ def build_run(run: RunInfo, thresholds: Thresholds, matrix_limit: int = MATRIX_L
     ]
     notes = [f"Cell × cell matrix for {mv.mode}: {mv.skipped}." for mv in matrices if mv.skipped]
     notes += [f"Refused, not run: {cell}: {reason}." for cell, reason in gate.refused]
+    notes += [f"Ran again after its job crashed: {c.id} ({'; '.join(run.entry(c.id)['retried'])})."
+              for c in run.plan.cells if run.entry(c.id).get("retried")]  # the record is the retry's
     return ReportData("run", f"repaudit report: {run.name}", facts, gate, cells, pairs, matrices, groups,
                       m.wall_s, commands, text.note, notes, _locates(gate.pairs))
 

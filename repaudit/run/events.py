@@ -17,6 +17,7 @@ class EventWriter:
     def __init__(self, directory: Path, rank: int):
         directory.mkdir(parents=True, exist_ok=True)
         self._fd = os.open(directory / f"rank{rank}.jsonl", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        self.directory = directory
         self.rank = rank
 
     def emit(self, event: str, **fields: Any) -> None:

@@ -5,10 +5,12 @@ KIND is one of
 - hang: this rank stops; its peers block in the next collective;
 - oom: raise torch.OutOfMemoryError;
 - raise: raise a RuntimeError;
+- abort-once: abort this rank (SIGABRT, as a heap corruption or a C++ terminate does) in the
+  run's first job that reaches the cell, and never again: a crash that a retry survives;
 - enospc: the cell's record write fails with "No space left on device" once the bytes are
   in the temporary file, before it is renamed into place (the point where a full disk
   usually shows itself: fsync).
-kill, hang, oom and raise strike after the cell's first batch, so the cell is half done:
+kill, hang, oom, raise and abort-once strike after the cell's first batch, so the cell is half done:
 collectives have run and rank 0 holds rows it has not written. Without RANK the fault hits
 every rank. Several faults are separated by commas. The variable is read by workers only;
 nothing sets it but a test.
@@ -21,6 +23,7 @@ import errno
 import os
 import signal
 import time
+from pathlib import Path
 from typing import Iterator
 
 
@@ -34,9 +37,15 @@ def _kinds(cell_id: str, rank: int) -> list[str]:
     return out
 
 
-def maybe_inject(cell_id: str, rank: int) -> None:
+def maybe_inject(cell_id: str, rank: int, job_dir: Path) -> None:
+    """`job_dir` outlives the job (the launch group's attempts share it): abort-once's mark."""
     for kind in _kinds(cell_id, rank):
-        if kind == "kill":
+        if kind == "abort-once":
+            mark = job_dir / f"abort-once.{cell_id}.{rank}"
+            if not mark.exists():
+                mark.touch()
+                os.abort()
+        elif kind == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         elif kind == "hang":
             while True:

@@ -3,8 +3,10 @@
 Each attempt is `python -m torch.distributed.run ... -m repaudit.run.worker SPEC` in a new
 process session (a vLLM job: `python -m repaudit.run.worker SPEC` alone, see worker_command). The launcher tails the workers' events, enforces the per-cell timeout, and
 after any failure starts a new attempt with the cells that are left, so one bad cell never
-costs the others. A job is ended by its own process ids (the torchrun session and every
-worker pid the workers reported), never by name.
+costs the others. A cell whose job crashed under it (a process aborted or faulted, and no rank
+raised an error of its own) runs again in that new attempt, up to `retries` times: such a crash
+can be a one-off of the process, not of the cell. A job is ended by its own process ids (the
+torchrun session and every worker pid the workers reported), never by name.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ class GroupOutcome:
     attempts: int = 0
     interrupted: bool = False
     logs: list[Path] = field(default_factory=list)  # each attempt's stdout + stderr (NCCL's debug lines too)
+    retried: dict[str, list[str]] = field(default_factory=dict)  # cell -> why each crashed try ended
 
 
 class Interrupted(Exception):
@@ -108,6 +111,31 @@ def killed_rank(log_text: str) -> str | None:
         if code < 0 and -code not in (signal.SIGTERM, signal.SIGABRT):
             return f"rank {m.group(1)} killed by {_signal_name(-code)}"
     return None
+
+
+# A process's own crash: heap corruption, a C++ terminate, a bad access. SIGKILL is not one (the
+# kernel's OOM killer, or a person), nor SIGTERM (torchrun ending the survivors of a failure).
+_CRASH_SIGNALS = {signal.SIGABRT, signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE}
+
+
+def death_signals(log_text: str, returncode: int | None) -> set[int]:
+    """The signals that ended the job's processes, torchrun's SIGTERM to survivors left out."""
+    tail = log_text[log_text.rfind("Failures:"):] if "Failures:" in log_text else ""
+    found = {-int(m.group(2)) for m in _FAILURE.finditer(tail) if int(m.group(2)) < 0}
+    if returncode is not None and returncode < 0:  # a vLLM job's one process
+        found.add(-returncode)
+    return found - {signal.SIGTERM}
+
+
+# What a process prints as it crashes: glibc's heap checks, C++'s terminate, Python's fault handler.
+_CRASH_LINE = re.compile(r"^(?:malloc|free|realloc|double free|corrupted|munmap_chunk|terminate called|Fatal Python error)"
+                         r"[^\n]*", re.M)
+
+
+def crash_line(log_text: str) -> str | None:
+    """The first line in the job's output that says how a process crashed, if one does."""
+    m = _CRASH_LINE.search(log_text)
+    return m.group(0).strip() if m else None
 
 
 def exit_reason(log_text: str, returncode: int | None) -> str:
@@ -167,8 +195,10 @@ class _Attempt:
     loaded: bool = False
     started: dict[str, float] = field(default_factory=dict)  # cell -> when its first cell_start was seen, in run order
     failure_reason: dict[str, tuple[float, str]] = field(default_factory=dict)  # cell -> (worker time, reason), earliest
+    own_failure: set[str] = field(default_factory=set)  # cells some rank failed by itself (not by losing a peer)
     job_failure: str | None = None
     ended_by_us: bool = False  # the launcher ended the job (timeout): no other cell is to blame
+    retry: tuple[str, str] | None = None  # (cell, why its try ended): it runs again in the next attempt
     done_by: dict[str, dict[int, dict]] = field(default_factory=dict)  # cell -> rank -> its cell_done event
 
     def current(self, outcome: GroupOutcome) -> str | None:
@@ -190,8 +220,10 @@ def run_group(
     on_event: Callable[[dict], None],
     should_stop: Callable[[], bool],
     pass_fds: tuple[int, ...] = (),
+    retries: int = 1,
 ) -> GroupOutcome:
-    """Run the spec's cells, re-launching after failures, until each cell has an outcome.
+    """Run the spec's cells, re-launching after failures, until each cell has an outcome; a cell
+    whose job crashed is tried again, at most `retries` times.
     `pass_fds` go to the job (the run directory's lock: the job holds it as long as it lives)."""
     outcome = GroupOutcome()
     remaining = [c["id"] for c in spec.cells]
@@ -222,13 +254,16 @@ def run_group(
                 # The caller failed (e.g. the manifest cannot be written: disk full): never leave the job running.
                 _kill(proc, attempt.pids)
                 raise
-        last = _settle(outcome, attempt, remaining, known, log_path, proc.returncode)
+        last = _settle(outcome, attempt, remaining, known, log_path, proc.returncode, retries)
         # The cells this attempt settled, as events, before the next attempt starts: the caller acts on
         # final outcomes while the group goes on (a failed reference cell releases the score cells of
         # the next attempt, and of other groups, which wait for its record).
         for cid in list(outcome.cells)[known:]:
             oc = outcome.cells[cid]
             on_event({"event": "cell_settled", "cell": cid, "status": oc.status, "reason": oc.reason})
+        if attempt.retry is not None:
+            cid, why = attempt.retry
+            on_event({"event": "cell_retry", "cell": cid, "reason": why, "attempt": len(outcome.retried[cid]) + 1})
         if last:
             break
         remaining = [c for c in remaining if c not in outcome.cells]
@@ -236,9 +271,10 @@ def run_group(
 
 
 def _settle(outcome: GroupOutcome, attempt: _Attempt, remaining: list[str], known: int, log_path: Path,
-            returncode: int | None) -> bool:
-    """After an attempt: the outcome of the cell it was running when it ended, and whether another
-    attempt would be pointless (interrupted, or the job can only end the same way again)."""
+            returncode: int | None, retries: int) -> bool:
+    """After an attempt: the outcome of the cell it was running when it ended (or its retry), and
+    whether another attempt would be pointless (interrupted, or the job can only end the same way
+    again)."""
     if outcome.interrupted:
         return True
     log_text = lambda: log_path.read_text(errors="replace")  # noqa: E731
@@ -252,8 +288,20 @@ def _settle(outcome: GroupOutcome, attempt: _Attempt, remaining: list[str], know
         return True
     current = None if attempt.ended_by_us else attempt.current(outcome)
     if current:
+        log = log_text()
         own = attempt.failure_reason.get(current)
-        outcome.cells[current] = CellOutcome("failed", killed_rank(log_text()) or (own[1] if own else why()))
+        reason = killed_rank(log) or (own[1] if own else exit_reason(log, returncode))
+        deaths = death_signals(log, returncode)
+        crashed = current not in attempt.own_failure and deaths <= _CRASH_SIGNALS
+        if crashed and deaths:  # how the process crashed, where its peers' errors only say they lost it
+            names = ", ".join(sorted(_signal_name(d) for d in deaths))
+            said = [x for x in (names if names not in reason else None, crash_line(log)) if x]
+            reason += f" ({': '.join(said)})" if said else ""
+        if crashed and len(outcome.retried.get(current, ())) < retries:
+            outcome.retried.setdefault(current, []).append(reason)
+            attempt.retry = (current, reason)
+            return False
+        outcome.cells[current] = CellOutcome("failed", reason)
     left = [c for c in remaining if c not in outcome.cells]
     if left and len(outcome.cells) == known:  # no cell settled: a new job would end the same way
         reason = attempt.job_failure or f"the job ended without running this cell ({why()})"
@@ -286,6 +334,8 @@ def _apply(ev: dict, attempt: _Attempt, outcome: GroupOutcome) -> None:
         # The first rank to fail is the cause; its peers' errors (a broken collective) are consequences.
         if cid not in attempt.failure_reason or ev["t"] < attempt.failure_reason[cid][0]:
             attempt.failure_reason[cid] = (ev["t"], ev["reason"])
+        if not ev.get("peer_lost"):
+            attempt.own_failure.add(cid)
     elif kind == "job_failed":
         attempt.job_failure = attempt.job_failure or ev["reason"]
 

@@ -40,6 +40,7 @@ class RunOptions:
     out: Path
     cell_timeout: float = 3600.0
     load_timeout: float = 1800.0
+    retries: int = 1  # runs of a cell after its job crashed under it (launch.run_group)
     cpu_threads: int = 1
     trust_remote_code: bool = False
     rdzv: Rendezvous = field(default_factory=Rendezvous)
@@ -312,7 +313,7 @@ def _run_groups(plan, opts, run_dir, manifest, settings, already, prompts, ref, 
 
         def _on_event(ev: dict) -> None:
             kind, cid = ev["event"], ev.get("cell")
-            if ev.get("rank", 0) != 0 and kind in ("cell_start", "progress", "cell_done", "cell_failed"):
+            if ev.get("rank", 0) != 0 and kind in ("cell_start", "progress", "cell_done"):
                 return  # every rank reports; rank 0 speaks for the job (the launcher weighs all ranks)
             if kind == "cell_start":
                 progress.update(tokens_task, description=f"  {cid}", completed=0, total=1, visible=True)
@@ -328,12 +329,14 @@ def _run_groups(plan, opts, run_dir, manifest, settings, already, prompts, ref, 
                 t = ev["timing"]
                 rate = t.get("generated_tokens_per_s") or t.get("prefill_tokens_per_s")  # generate, else score
                 progress.console.print(f"[green]done[/] {cid}  {ev['seconds']:.1f}s" + (f"  {rate:,.0f} tok/s" if rate else ""))
-            elif kind == "cell_failed":
-                progress.console.print(f"[red]failed[/] {cid}: {escape(ev['reason'])}")
-            elif kind == "cell_settled" and reference_cell and cid == reference_cell.id and ev["status"] != "done":
-                # Score cells waiting for its record (in other groups, or in the next attempt of its own)
-                # fail now, with this reason, instead of waiting out the run.
-                write_text_atomic(reference_failed, f"{reference_cell.id}: {ev['status']}: {ev['reason']}\n")
+            elif kind == "cell_retry":
+                progress.console.print(f"[yellow]retry[/] {cid} (try {ev['attempt']}): {escape(ev['reason'])}")
+            elif kind == "cell_settled" and ev["status"] not in ("done", "skipped", "interrupted"):
+                progress.console.print(f"[red]{ev['status']}[/] {cid}: {escape(str(ev['reason']))}")
+                if reference_cell and cid == reference_cell.id:
+                    # Score cells waiting for its record (in other groups, or in the next attempt of its
+                    # own) fail now, with this reason, instead of waiting out the run.
+                    write_text_atomic(reference_failed, f"{reference_cell.id}: {ev['status']}: {ev['reason']}\n")
 
         abort = threading.Event()
         stopping = lambda: bool(stop) or abort.is_set()  # noqa: E731
@@ -367,7 +370,8 @@ def _run_groups(plan, opts, run_dir, manifest, settings, already, prompts, ref, 
                     env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
                 outcome = run_group(spec, job_dir,
                     nproc=1 if group.engine == "vllm" else group.tp // opts.rdzv.nnodes, rdzv=opts.rdzv, cell_timeout=opts.cell_timeout,
-                    load_timeout=opts.load_timeout, env=env, on_event=on_event, should_stop=stopping, pass_fds=lock_fds)
+                    load_timeout=opts.load_timeout, env=env, on_event=on_event, should_stop=stopping, pass_fds=lock_fds,
+                    retries=opts.retries)
             with lock:
                 if leader:
                     _record_group(group, outcome)
@@ -391,8 +395,11 @@ def _run_groups(plan, opts, run_dir, manifest, settings, already, prompts, ref, 
                 if oc.status == "done":
                     fields.update(seconds=oc.seconds, rows=oc.rows, timing=oc.timing, ranks_differ=oc.ranks_differ)
                 entry.update(fields)
-                if oc.status not in ("done", "interrupted"):
-                    progress.console.print(f"[red]{oc.status}[/] {cid}: {escape(str(oc.reason))}")
+                # Why its crashed tries ended: a crash is news even when a retry got through.
+                if cid in outcome.retried:
+                    entry["retried"] = outcome.retried[cid]
+                else:
+                    entry.pop("retried", None)
             manifest.save()
 
 

@@ -116,7 +116,7 @@ def _batches(cid: str, seqs: list[Sequence], batch_size: int, run_batch, events:
         done += sum(work(s) for s in batch)
         events.emit("progress", cell=cid, tokens=done, total=total)
         if i == 0:
-            maybe_inject(cid, rank)  # tests only: a fault with the cell half done
+            maybe_inject(cid, rank, events.directory.parent)  # tests only: a fault with the cell half done
     return rows, timing
 
 
@@ -144,10 +144,24 @@ def _write(spec: JobSpec, cell: dict, rows: list[TokenRows], env: dict, traced) 
         write_table(path, _table(rows), meta, overwrite=False)
 
 
+# What a collective raises when another process of the job is gone: the cause is elsewhere.
+_PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "gloo/transport/tcp",
+              "remote process exited")
+
+
+def lost_peer(exc: BaseException) -> bool:
+    """Whether `exc` says a peer of this rank went away (a gloo/NCCL transport error), not that
+    this rank's own work failed."""
+    import torch.distributed as dist
+
+    return isinstance(exc, dist.DistNetworkError) or any(m in str(exc) for m in _PEER_LOST)
+
+
 def _cell_failed(events: EventWriter, cid: str, exc: BaseException) -> None:
     """Reported, then the process ends: peers may be blocked in a collective, and only the
     launcher can end the whole job cleanly."""
-    events.emit("cell_failed", cell=cid, reason=_reason(exc), traceback=traceback.format_exc()[-4000:])
+    events.emit("cell_failed", cell=cid, reason=_reason(exc), peer_lost=lost_peer(exc),
+                traceback=traceback.format_exc()[-4000:])
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(3)
