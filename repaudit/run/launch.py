@@ -128,8 +128,8 @@ def death_signals(log_text: str, returncode: int | None) -> set[int]:
 
 
 # What a process prints as it crashes: glibc's heap checks, C++'s terminate, Python's fault handler.
-_CRASH_LINE = re.compile(r"^(?:malloc|free|realloc|double free|corrupted|munmap_chunk|terminate called|Fatal Python error)"
-                         r"[^\n]*", re.M)
+_CRASH_LINE = re.compile(r"^(?:(?:malloc|free|realloc|munmap_chunk|malloc_consolidate)\(\): |double free|corrupted "
+                         r"|terminate called|Fatal Python error)[^\n]*", re.M)
 
 
 def crash_line(log_text: str) -> str | None:

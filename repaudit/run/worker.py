@@ -7,6 +7,7 @@ A vLLM cell is a job of one process, vLLM's driver; vLLM starts its own TP worke
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import sys
 import time
@@ -273,6 +274,9 @@ def run_job(spec: JobSpec) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # A crash in native code (a heap corruption glibc catches, a bad access) leaves the Python
+    # stack of every thread in the job's log, beside the line the launcher quotes.
+    faulthandler.enable(all_threads=True)
     argv = sys.argv[1:] if argv is None else argv
     spec = JobSpec.read(Path(argv[0]))
     try:
