@@ -221,12 +221,13 @@ def test_rerun_recomputes_only_the_failed_cells(faulted):
 def test_a_cell_whose_job_crashed_runs_again_and_an_error_of_its_own_does_not(faulted, tmp_path, capsys):
     """Rank 1 aborts in bs1 (as a heap corruption does): bs1 runs again in the next job and
     completes, with the bits of the same cell run without a fault; bs2's own error is not retried."""
+    from repaudit import commands
     from repaudit.diff import diff_records
 
     out = tmp_path / "run"
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("REPAUDIT_FAULT", f"abort-once:{cid(2, 1)}:1,raise:{cid(2, 2)}")
-        rc, err = main(BASE + ["--tp", "2", "--batch-size", "1,2,4", "--out", str(out)], capsys)
+        rc, _ = main(BASE + ["--tp", "2", "--batch-size", "1,2,4", "--out", str(out)], capsys)
     cells = manifest(out)["cells"]
     assert rc == 1 and {c: v["status"] for c, v in cells.items()} == {cid(2, 1): "done", cid(2, 2): "failed", cid(2, 4): "done"}
     assert job_specs(out) == {"hf-tp2-default.1": [cid(2, 1), cid(2, 2), cid(2, 4)],
@@ -241,8 +242,6 @@ def test_a_cell_whose_job_crashed_runs_again_and_an_error_of_its_own_does_not(fa
     assert f"- `{cid(2, 1)}`: {why}" in (out / "summary.md").read_text()
     rows = {r["cell"]: r for r in json.loads((out / "summary.json").read_text())["cells"]}
     assert rows[cid(2, 1)]["retried"] == [why] and rows[cid(2, 4)]["retried"] == []
-    from repaudit import commands
-
     assert commands.report(out) == 0
     [note] = [ln for ln in (out / "report.md").read_text().splitlines() if "Ran again after its job crashed" in ln]
     assert cid(2, 1) in note and note.endswith("(SIGABRT: Fatal Python error: Aborted))."), note

@@ -295,11 +295,12 @@ def main(argv: list[str] | None = None) -> int:
         # SIGABRT), and the launcher then ends the job and its cell as failed.
         dist.barrier()
         dist.destroy_process_group()
-    if spec.engine != "vllm":  # vLLM's driver ends its workers in its exit handlers: it finalizes
-        # Every cell is done and written, and every rank past the barrier: leave without Python's
-        # finalization, where a gloo thread still joinable can abort the process ("terminate
-        # called without an active exception", seen on CPU at TP=4 after the last cell) and
-        # torchrun then reports a failed job that failed nothing.
+    # Every cell is done and written, and every rank past the barrier: leave without Python's
+    # finalization, where a gloo thread still joinable can abort the process ("terminate called
+    # without an active exception", seen on CPU at TP=4 after the last cell) and torchrun then
+    # reports a failed job that failed nothing. vLLM's driver finalizes: its exit handlers end
+    # vLLM's own workers.
+    if spec.engine != "vllm":
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
