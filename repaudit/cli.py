@@ -135,8 +135,8 @@ def run(
                                       help="dimensions a cell keeps when picking its reference from the baseline"),
     timeout: float = typer.Option(3600.0, "--timeout", help="seconds a cell may run before its job is ended"),
     load_timeout: float = typer.Option(1800.0, "--load-timeout", help="seconds a model load may take"),
-    retries: int = typer.Option(1, "--retries", min=0, help="times a cell runs again after its job crashed under it "
-                                "(a process aborted or faulted, no rank raised an error of its own)"),
+    retries: int = typer.Option(1, "--retries", min=0, help="times a cell (or a launch group's load) runs again after its job "
+                                "crashed (a process aborted or faulted, no rank raised an error of its own)"),
     cpu_threads: int = typer.Option(1, "--cpu-threads", help="intra-op threads per rank on CPU (fixed: thread count changes bits)"),
     side_by_side: bool = typer.Option(True, "--side-by-side/--one-group-at-a-time",
                                       help="on GPUs, run launch groups that fit on the node at the same time"),

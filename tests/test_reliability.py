@@ -234,7 +234,7 @@ def test_a_cell_whose_job_crashed_runs_again_and_an_error_of_its_own_does_not(fa
                               "hf-tp2-default.2": [cid(2, 1), cid(2, 2), cid(2, 4)],
                               "hf-tp2-default.3": [cid(2, 4)]}
     [why] = cells[cid(2, 1)]["retried"]
-    assert why.endswith("(SIGABRT: Fatal Python error: Aborted)"), why  # the worker's fault handler spoke
+    assert why == "rank 1 killed by SIGABRT (Fatal Python error: Aborted)", why  # the worker's fault handler spoke
     assert "retried" not in cells[cid(2, 2)] and cells[cid(2, 2)]["reason"] == f"RuntimeError: injected failure in {cid(2, 2)}"
     assert survivors(out) == []
     same = diff_records(out / "cells" / f"{cid(2, 1)}.parquet", faulted.out / "cells" / f"{cid(2, 1)}.parquet")
@@ -244,7 +244,23 @@ def test_a_cell_whose_job_crashed_runs_again_and_an_error_of_its_own_does_not(fa
     assert rows[cid(2, 1)]["retried"] == [why] and rows[cid(2, 4)]["retried"] == []
     assert commands.report(out) == 0
     [note] = [ln for ln in (out / "report.md").read_text().splitlines() if "Ran again after its job crashed" in ln]
-    assert cid(2, 1) in note and note.endswith("(SIGABRT: Fatal Python error: Aborted))."), note
+    assert cid(2, 1) in note and note.endswith(f"({why})."), note
+
+
+def test_a_job_that_crashed_while_loading_runs_again(tmp_path, capsys):
+    """Rank 1 aborts as its model is ready, before any cell: the whole job runs again, once."""
+    out = tmp_path / "run"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("REPAUDIT_FAULT", "abort-once:load:1")
+        rc, _ = main(BASE + ["--tp", "2", "--batch-size", "1", "--out", str(out)], capsys)
+    m = manifest(out)
+    assert rc == 0 and m["cells"][cid(2, 1)]["status"] == "done" and "retried" not in m["cells"][cid(2, 1)]
+    assert job_specs(out) == {"hf-tp2-default.1": [cid(2, 1)], "hf-tp2-default.2": [cid(2, 1)]}
+    [why] = m["groups"]["hf-tp2-default"]["retried"]
+    assert why == "rank 1 killed by SIGABRT (Fatal Python error: Aborted)", why
+    assert m["groups"]["hf-tp2-default"]["attempts"] == 2 and survivors(out) == []
+    assert f"- `launch group hf-tp2-default`: {why}" in (out / "summary.md").read_text()
+    assert json.loads((out / "summary.json").read_text())["group_retries"] == {"hf-tp2-default": [why]}
 
 
 # ------------------------------------------------------------------ SIGINT / SIGTERM, lock

@@ -111,14 +111,15 @@ def test_a_rank_killed_from_outside_is_the_cause_but_an_abort_is_not():
 def test_a_crash_without_an_error_of_its_own_is_retried_and_a_kill_or_an_error_is_not(tmp_path):
     """launch._settle on what a job left: the cell's try is retried only where its processes died
     of their own crash (SIGABRT, SIGSEGV, ...) and no rank raised an error other than losing a peer,
-    and only `retries` times."""
+    and only `retries` times. The reason names the crashed rank, not the peer that lost it."""
     import signal
 
-    from repaudit.run.launch import GroupOutcome, _Attempt, _settle, death_signals
+    from repaudit.run.launch import GroupOutcome, _Attempt, _settle, crash_reason, signal_deaths
 
     abort = _torchrun_failures((0, -signal.SIGABRT), (1, -signal.SIGTERM))
-    assert death_signals(abort, 1) == {signal.SIGABRT}
-    assert death_signals("", -signal.SIGSEGV) == {signal.SIGSEGV}  # a vLLM job's one process
+    assert signal_deaths(abort, 1) == [("0", signal.SIGABRT)]
+    assert crash_reason("", -signal.SIGSEGV) == "killed by SIGSEGV"  # a vLLM job's one process
+    assert crash_reason(_torchrun_failures((1, -signal.SIGKILL), (0, -signal.SIGABRT)), 1) is None
 
     def settle(log: str, retries: int, own_error: bool = False, retried: int = 0):
         path = tmp_path / "job.log"
@@ -133,8 +134,8 @@ def test_a_crash_without_an_error_of_its_own_is_retried_and_a_kill_or_an_error_i
 
     last, outcome, attempt = settle(abort, retries=1)
     assert not last and "c1" not in outcome.cells
-    assert attempt.retry == ("c1", "RuntimeError: Read error: Connection reset by peer (SIGABRT)")
-    assert outcome.retried == {"c1": [attempt.retry[1]]}
+    assert attempt.retry == ("c1", "rank 0 killed by SIGABRT")
+    assert outcome.retried == {"c1": ["rank 0 killed by SIGABRT"]}
     for log, kw in ((abort, {"retries": 0}), (abort, {"retries": 1, "retried": 1}),
                     (abort, {"retries": 1, "own_error": True}),
                     (_torchrun_failures((1, -signal.SIGKILL), (0, 1)), {"retries": 1})):

@@ -69,6 +69,7 @@ def summarize(plan: Plan, run_dir: Path, manifest: Manifest, thresholds: Thresho
     rows += [_row(cell, plan.reference_for(cell), "refused", reason) for cell, reason in plan.refused]
     compared = [r for r in rows if r["cell"] in outcome]
     loads = {g: v.get("load_s", []) for g, v in manifest.data.groups.items()}
+    group_retries = {g: v["retried"] for g, v in manifest.data.groups.items() if v.get("retried")}
     return {
         "price": price_list(rows),
         "baseline": plan.baseline.id,
@@ -81,6 +82,7 @@ def summarize(plan: Plan, run_dir: Path, manifest: Manifest, thresholds: Thresho
         "wall_s": manifest.data.wall_s,
         "sum_cell_s": sum(r["seconds"] or 0 for r in rows),
         "load_s": loads,
+        "group_retries": group_retries,  # jobs that crashed outside any cell (loading) and ran again
     }
 
 
@@ -211,10 +213,8 @@ def print_summary(summary: dict[str, Any], console: Console) -> None:
         console.print(t)
     for reason, n in _refusals(cells).items():
         console.print(f"[yellow]refused, not run:[/] {n} cell(s): {escape(reason)}", soft_wrap=True)
-    for r in cells:
-        if r.get("retried"):
-            console.print(f"[yellow]ran again after its job crashed:[/] {r['cell']}: {escape('; '.join(r['retried']))}",
-                          soft_wrap=True)
+    for what, why in _retries(summary):
+        console.print(f"[yellow]ran again after its job crashed:[/] {what}: {escape('; '.join(why))}", soft_wrap=True)
     for p in summary["price"]:
         if p["compared"]:
             colour = "green" if p["identical"] == p["compared"] else "red"
@@ -231,10 +231,10 @@ def summary_markdown(summary: dict[str, Any]) -> str:
     if refused:
         lines += ["Refused, not run (the combination cannot give a meaningful cell):", ""]
         lines += [f"- `{r['cell']}`: {r['reason']}" for r in refused] + [""]
-    retried = [r for r in summary["cells"] if r.get("retried")]
+    retried = _retries(summary)
     if retried:
         lines += ["Ran again after its job crashed (a process aborted or faulted; the record is the retry's):", ""]
-        lines += [f"- `{r['cell']}`: {'; '.join(r['retried'])}" for r in retried] + [""]
+        lines += [f"- `{what}`: {'; '.join(why)}" for what, why in retried] + [""]
     lines += ["What each kernel mode buys and costs, from this run (tokens/s: geometric mean of each cell against",
               "the stock cell with the same other settings):", "",
               "| kernels | cells identical to their reference | tokens/s vs stock |", "|---|---|---|"]
@@ -257,6 +257,12 @@ def summary_markdown(summary: dict[str, Any]) -> str:
 
 def _speed(x: float | None, p: dict[str, Any]) -> str:
     return "—" if x is None else f"{x:.2f}x ({p['speed_pairs']} cells)"
+
+
+def _retries(summary: dict[str, Any]) -> list[tuple[str, list[str]]]:
+    """(cell, or launch group for a job that crashed outside any cell, why each crashed try ended)."""
+    return ([(r["cell"], r["retried"]) for r in summary["cells"] if r.get("retried")]
+            + [(f"launch group {g}", why) for g, why in summary.get("group_retries", {}).items()])
 
 
 def _refusals(cells: list[dict[str, Any]]) -> dict[str, int]:

@@ -158,6 +158,8 @@ def build_run(run: RunInfo, thresholds: Thresholds, matrix_limit: int = MATRIX_L
     notes += [f"Refused, not run: {cell}: {reason}." for cell, reason in gate.refused]
     notes += [f"Ran again after its job crashed: {c.id} ({'; '.join(run.entry(c.id)['retried'])})."
               for c in run.plan.cells if run.entry(c.id).get("retried")]  # the record is the retry's
+    notes += [f"Ran again after its job crashed outside any cell: launch group {g.id} "
+              f"({'; '.join(m.groups[g.id]['retried'])})." for g in run.plan.groups if (m.groups.get(g.id) or {}).get("retried")]
     return ReportData("run", f"repaudit report: {run.name}", facts, gate, cells, pairs, matrices, groups,
                       m.wall_s, commands, text.note, notes, _locates(gate.pairs))
 

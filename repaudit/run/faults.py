@@ -11,7 +11,8 @@ KIND is one of
   in the temporary file, before it is renamed into place (the point where a full disk
   usually shows itself: fsync).
 kill, hang, oom, raise and abort-once strike after the cell's first batch, so the cell is half done:
-collectives have run and rank 0 holds rows it has not written. Without RANK the fault hits
+collectives have run and rank 0 holds rows it has not written. CELL_ID `load` strikes a
+transformers job as its model is ready, before it reports it loaded. Without RANK the fault hits
 every rank. Several faults are separated by commas. The variable is read by workers only;
 nothing sets it but a test.
 """
@@ -25,6 +26,8 @@ import signal
 import time
 from pathlib import Path
 from typing import Iterator
+
+LOAD_FAULT = "load"  # the CELL_ID of a fault that strikes as the model finishes loading
 
 
 def _kinds(cell_id: str, rank: int) -> list[str]:

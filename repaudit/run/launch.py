@@ -4,8 +4,9 @@ Each attempt is `python -m torch.distributed.run ... -m repaudit.run.worker SPEC
 process session (a vLLM job: `python -m repaudit.run.worker SPEC` alone, see worker_command). The launcher tails the workers' events, enforces the per-cell timeout, and
 after any failure starts a new attempt with the cells that are left, so one bad cell never
 costs the others. A cell whose job crashed under it (a process aborted or faulted, and no rank
-raised an error of its own) runs again in that new attempt, up to `retries` times: such a crash
-can be a one-off of the process, not of the cell. A job is ended by its own process ids (the
+raised an error of its own) runs again in that new attempt, up to `retries` times, and so does
+a job that crashed while loading the model: such a crash can be a one-off of the process, not
+of the cell. A job is ended by its own process ids (the
 torchrun session and every worker pid the workers reported), never by name.
 """
 
@@ -58,6 +59,7 @@ class GroupOutcome:
     interrupted: bool = False
     logs: list[Path] = field(default_factory=list)  # each attempt's stdout + stderr (NCCL's debug lines too)
     retried: dict[str, list[str]] = field(default_factory=dict)  # cell -> why each crashed try ended
+    job_retried: list[str] = field(default_factory=list)  # why each job that crashed outside any cell ended
 
 
 class Interrupted(Exception):
@@ -117,25 +119,37 @@ def killed_rank(log_text: str) -> str | None:
 # kernel's OOM killer, or a person), nor SIGTERM (torchrun ending the survivors of a failure).
 _CRASH_SIGNALS = {signal.SIGABRT, signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE}
 
-
-def death_signals(log_text: str, returncode: int | None) -> set[int]:
-    """The signals that ended the job's processes, torchrun's SIGTERM to survivors left out."""
-    tail = log_text[log_text.rfind("Failures:"):] if "Failures:" in log_text else ""
-    found = {-int(m.group(2)) for m in _FAILURE.finditer(tail) if int(m.group(2)) < 0}
-    if returncode is not None and returncode < 0:  # a vLLM job's one process
-        found.add(-returncode)
-    return found - {signal.SIGTERM}
-
-
 # What a process prints as it crashes: glibc's heap checks, C++'s terminate, Python's fault handler.
 _CRASH_LINE = re.compile(r"^(?:(?:malloc|free|realloc|munmap_chunk|malloc_consolidate)\(\): |double free|corrupted "
                          r"|terminate called|Fatal Python error)[^\n]*", re.M)
+
+
+def signal_deaths(log_text: str, returncode: int | None) -> list[tuple[str | None, int]]:
+    """(rank, signal) of each process of the job that a signal ended, torchrun's SIGTERM to the
+    survivors left out; rank None for a vLLM job's one process."""
+    tail = log_text[log_text.rfind("Failures:"):] if "Failures:" in log_text else ""
+    found = [(m.group(1), -int(m.group(2))) for m in _FAILURE.finditer(tail) if int(m.group(2)) < 0]
+    if returncode is not None and returncode < 0:
+        found.append((None, -returncode))
+    return [(rank, sig) for rank, sig in found if sig != signal.SIGTERM]
 
 
 def crash_line(log_text: str) -> str | None:
     """The first line in the job's output that says how a process crashed, if one does."""
     m = _CRASH_LINE.search(log_text)
     return m.group(0).strip() if m else None
+
+
+def crash_reason(log_text: str, returncode: int | None) -> str | None:
+    """'rank 1 killed by SIGABRT (malloc(): ...)' where every process that died, died of its own
+    crash; None where none did, or where one was killed (its peers' aborts then follow from it)."""
+    died = signal_deaths(log_text, returncode)
+    if not died or any(sig not in _CRASH_SIGNALS for _, sig in died):
+        return None
+    who = ", ".join(f"rank {rank} killed by {_signal_name(sig)}" if rank is not None else f"killed by {_signal_name(sig)}"
+                    for rank, sig in died)
+    said = crash_line(log_text)
+    return who + (f" ({said})" if said else "")
 
 
 def exit_reason(log_text: str, returncode: int | None) -> str:
@@ -196,9 +210,10 @@ class _Attempt:
     started: dict[str, float] = field(default_factory=dict)  # cell -> when its first cell_start was seen, in run order
     failure_reason: dict[str, tuple[float, str]] = field(default_factory=dict)  # cell -> (worker time, reason), earliest
     own_failure: set[str] = field(default_factory=set)  # cells some rank failed by itself (not by losing a peer)
-    job_failure: str | None = None
+    job_failure: str | None = None  # the first failure outside any cell (loading, the set-up's collectives)
+    job_failed_itself: bool = False  # some rank's, or the launcher's, own: not a lost peer
     ended_by_us: bool = False  # the launcher ended the job (timeout): no other cell is to blame
-    retry: tuple[str, str] | None = None  # (cell, why its try ended): it runs again in the next attempt
+    retry: tuple[str | None, str] | None = None  # (cell or None for the whole job, why it ended): it runs again
     done_by: dict[str, dict[int, dict]] = field(default_factory=dict)  # cell -> rank -> its cell_done event
 
     def current(self, outcome: GroupOutcome) -> str | None:
@@ -263,7 +278,10 @@ def run_group(
             on_event({"event": "cell_settled", "cell": cid, "status": oc.status, "reason": oc.reason})
         if attempt.retry is not None:
             cid, why = attempt.retry
-            on_event({"event": "cell_retry", "cell": cid, "reason": why, "attempt": len(outcome.retried[cid]) + 1})
+            if cid is None:
+                on_event({"event": "job_retry", "group": spec.group_id, "reason": why})
+            else:
+                on_event({"event": "cell_retry", "cell": cid, "reason": why, "attempt": len(outcome.retried[cid]) + 1})
         if last:
             break
         remaining = [c for c in remaining if c not in outcome.cells]
@@ -277,34 +295,33 @@ def _settle(outcome: GroupOutcome, attempt: _Attempt, remaining: list[str], know
     again)."""
     if outcome.interrupted:
         return True
-    log_text = lambda: log_path.read_text(errors="replace")  # noqa: E731
-    why = lambda: exit_reason(log_text(), returncode)  # noqa: E731
-    left = [c for c in remaining if c not in outcome.cells]
-    if left and not attempt.loaded:
-        # Died before the model was ready: every remaining cell shares that fate, and a retry would repeat it.
-        reason = attempt.job_failure or f"model load failed: {why()}"
-        for cid in left:
-            outcome.cells[cid] = CellOutcome("failed", reason)
-        return True
+    log = log_path.read_text(errors="replace")
+    crash = crash_reason(log, returncode)
     current = None if attempt.ended_by_us else attempt.current(outcome)
     if current:
-        log = log_text()
         own = attempt.failure_reason.get(current)
         reason = killed_rank(log) or (own[1] if own else exit_reason(log, returncode))
-        deaths = death_signals(log, returncode)
-        crashed = current not in attempt.own_failure and deaths <= _CRASH_SIGNALS
-        if crashed and deaths:  # how the process crashed, where its peers' errors only say they lost it
-            names = ", ".join(sorted(_signal_name(d) for d in deaths))
-            said = [x for x in (names if names not in reason else None, crash_line(log)) if x]
-            reason += f" ({': '.join(said)})" if said else ""
-        if crashed and len(outcome.retried.get(current, ())) < retries:
-            outcome.retried.setdefault(current, []).append(reason)
-            attempt.retry = (current, reason)
-            return False
+        # No rank failed by itself, and no process was killed: the job crashed under the cell (the
+        # crashed rank, not its peers' lost connections, is the reason), or its peers' links broke.
+        if current not in attempt.own_failure and (crash or not signal_deaths(log, returncode)):
+            reason = crash or reason
+            if len(outcome.retried.get(current, ())) < retries:
+                outcome.retried.setdefault(current, []).append(reason)
+                attempt.retry = (current, reason)
+                return False
         outcome.cells[current] = CellOutcome("failed", reason)
     left = [c for c in remaining if c not in outcome.cells]
-    if left and len(outcome.cells) == known:  # no cell settled: a new job would end the same way
-        reason = attempt.job_failure or f"the job ended without running this cell ({why()})"
+    if left and (not attempt.loaded or len(outcome.cells) == known):  # no cell settled: the job failed as a whole
+        if crash and not attempt.job_failed_itself and not attempt.ended_by_us and len(outcome.job_retried) < retries:
+            # A crash while loading, or between cells: the job's, not a cell's.
+            outcome.job_retried.append(crash)
+            attempt.retry = (None, crash)
+            return False
+        # A failed load, or a job that ran no cell, would end the same way again.
+        why = exit_reason(log, returncode)
+        reason = ((attempt.job_failure if attempt.job_failed_itself else None) or killed_rank(log) or crash
+                  or attempt.job_failure
+                  or (f"model load failed: {why}" if not attempt.loaded else f"the job ended without running this cell ({why})"))
         for cid in left:
             outcome.cells[cid] = CellOutcome("failed", reason)
         return True
@@ -338,6 +355,7 @@ def _apply(ev: dict, attempt: _Attempt, outcome: GroupOutcome) -> None:
             attempt.own_failure.add(cid)
     elif kind == "job_failed":
         attempt.job_failure = attempt.job_failure or ev["reason"]
+        attempt.job_failed_itself |= not ev.get("peer_lost")
 
 
 def _follow(proc: subprocess.Popen, attempt: _Attempt, reader: EventReader, outcome: GroupOutcome, cell_timeout: float,
@@ -367,5 +385,6 @@ def _follow(proc: subprocess.Popen, attempt: _Attempt, reader: EventReader, outc
         if not attempt.loaded and not current and now - started_at > load_timeout:
             _kill(proc, attempt.pids)
             attempt.job_failure = f"model load did not finish within {load_timeout:g}s"
+            attempt.job_failed_itself = True
             return attempt
         time.sleep(POLL_S)

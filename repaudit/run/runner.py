@@ -40,7 +40,7 @@ class RunOptions:
     out: Path
     cell_timeout: float = 3600.0
     load_timeout: float = 1800.0
-    retries: int = 1  # runs of a cell after its job crashed under it (launch.run_group)
+    retries: int = 1  # runs of a cell, or of a launch group's load, after its job crashed (launch.run_group)
     cpu_threads: int = 1
     trust_remote_code: bool = False
     rdzv: Rendezvous = field(default_factory=Rendezvous)
@@ -331,6 +331,8 @@ def _run_groups(plan, opts, run_dir, manifest, settings, already, prompts, ref, 
                 progress.console.print(f"[green]done[/] {cid}  {ev['seconds']:.1f}s" + (f"  {rate:,.0f} tok/s" if rate else ""))
             elif kind == "cell_retry":
                 progress.console.print(f"[yellow]retry[/] {cid} (try {ev['attempt']}): {escape(ev['reason'])}")
+            elif kind == "job_retry":
+                progress.console.print(f"[yellow]retry[/] launch group {ev['group']}: {escape(ev['reason'])}")
             elif kind == "cell_settled" and ev["status"] not in ("done", "skipped", "interrupted"):
                 progress.console.print(f"[red]{ev['status']}[/] {cid}: {escape(str(ev['reason']))}")
                 if reference_cell and cid == reference_cell.id:
@@ -382,6 +384,8 @@ def _run_groups(plan, opts, run_dir, manifest, settings, already, prompts, ref, 
             # wall time sums every invocation's too.
             g.update(load_s=[*g.get("load_s", []), *outcome.load_seconds],
                      attempts=g.get("attempts", 0) + outcome.attempts)
+            if outcome.job_retried:  # jobs that crashed outside any cell (loading), then ran again
+                g["retried"] = [*g.get("retried", []), *outcome.job_retried]
             if plan.matrix.device == "cuda" and group.tp > 1 and outcome.logs:
                 g["nccl_observed"] = group_observation(outcome.logs, group.nccl_env)
                 for warning in g["nccl_observed"]["warnings"]:

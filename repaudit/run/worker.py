@@ -20,7 +20,7 @@ import numpy as np
 from ..engines.base import Sequence, Timing, TokenRows
 from ..record.io import RecordMeta, build_table, load_frame, write_table
 from .events import EventWriter
-from .faults import maybe_inject, write_faults
+from .faults import LOAD_FAULT, maybe_inject, write_faults
 from .jobspec import JobSpec, cell_path
 
 REFERENCE_POLL_S = 0.5
@@ -237,6 +237,7 @@ def run_job(spec: JobSpec) -> None:
     t0 = time.perf_counter()
     model = hf.load(spec.model_path, dtype=spec.dtype, device=spec.device, tp=spec.tp,
                     trust_remote_code=spec.trust_remote_code, stop_ids=tuple(spec.stop_ids), pad_id=spec.pad_id)
+    maybe_inject(LOAD_FAULT, rank, events.directory.parent)  # tests only: a fault as the model is ready
     events.emit("loaded", seconds=time.perf_counter() - t0)
     env = environment(spec.device)
     env["ranks"] = gather_rank_settings(spec.device)  # a collective: every rank's switches, not rank 0's alone
@@ -284,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     except BaseException as exc:  # a failure outside any cell: loading, init, references
         try:
             EventWriter(Path(spec.events_dir), int(os.environ.get("RANK", "0"))).emit(
-                "job_failed", reason=_reason(exc), traceback=traceback.format_exc()[-4000:])
+                "job_failed", reason=_reason(exc), peer_lost=lost_peer(exc), traceback=traceback.format_exc()[-4000:])
         finally:
             os._exit(4)
     import torch.distributed as dist
