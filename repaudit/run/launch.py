@@ -107,12 +107,8 @@ def killed_rank(log_text: str) -> str | None:
     SIGABRT is what a rank sends itself (gloo aborts when a peer that failed first closes the
     connection), so neither counts here.
     """
-    tail = log_text[log_text.rfind("Failures:"):] if "Failures:" in log_text else ""
-    for m in _FAILURE.finditer(tail):
-        code = int(m.group(2))
-        if code < 0 and -code not in (signal.SIGTERM, signal.SIGABRT):
-            return f"rank {m.group(1)} killed by {_signal_name(-code)}"
-    return None
+    return next((f"rank {rank} killed by {_signal_name(sig)}" for rank, sig in signal_deaths(log_text, None)
+                 if sig != signal.SIGABRT), None)
 
 
 # A process's own crash: heap corruption, a C++ terminate, a bad access. SIGKILL is not one (the
