@@ -21,16 +21,16 @@ sys.path[:0] = [str(ROOT), str(ROOT / "kernels")]
 import torch  # noqa: E402
 
 
-def per_call_us(fn, n: int = 400) -> float:
-    """Median host microseconds of fn() over n calls, in groups of 20 with a sync between (the
+def per_call_us(fn, n: int = 400, group: int = 20) -> float:
+    """Median host microseconds of fn() over n calls, in groups with a sync before each (the
     GPU never falls so far behind that a launch has to wait for a free slot)."""
     times = []
-    for _ in range(n // 20):
+    for _ in range(n // group):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        for _ in range(20):
+        for _ in range(group):
             fn()
-        times.append((time.perf_counter() - t0) / 20 * 1e6)
+        times.append((time.perf_counter() - t0) / group * 1e6)
     return statistics.median(times)
 
 

@@ -18,15 +18,14 @@ import cProfile
 import io
 import json
 import pstats
-import statistics
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "kernels")]
 
 import torch  # noqa: E402
+from capture_host_bench import per_call_us as host_us  # noqa: E402  (beside this file)
 
 # Qwen3-0.6B at TP=2, one rank: 8 query and 4 key/value heads of 128, MLP 3072 (1536 a rank).
 HIDDEN, HEAD, QH, KVH, MLP = 1024, 128, 8, 4, 1536
@@ -34,15 +33,9 @@ HIDDEN, HEAD, QH, KVH, MLP = 1024, 128, 8, 4, 1536
 
 def per_call_us(fn, n: int = 200) -> float:
     """Median host microseconds of fn() in groups of 10, with a sync before each group."""
-    times = []
-    for _ in range(n // 10):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(10):
-            fn()
-        times.append((time.perf_counter() - t0) / 10 * 1e6)
+    us = host_us(fn, n, group=10)
     torch.cuda.synchronize()
-    return statistics.median(times)
+    return us
 
 
 def _as_custom_ops() -> None:
