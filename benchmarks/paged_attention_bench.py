@@ -1,12 +1,13 @@
-"""tbik's paged attention at a vLLM step's shapes, under launch settings other than the ones it
-ships with: the time of each, and whether its output has the shipped kernel's bits.
+"""tbik's paged attention at a vLLM step's shapes: the kernel each call runs (keys-major for a
+decode step, row-major for a prefill chunk) against the row-major kernel (KEYS_MAJOR_ROWS=0),
+which decode steps ran before; GPU time of one call in CUDA graphs (as vLLM replays its decode
+steps), both in turn, and whether the two give the same bits. Outputs in the query's dtype, as
+vLLM has them written (with fp32 outputs keys-major gains nothing: reports/kernels/h200-keys-major/).
 
-The shapes are Qwen3-0.6B's at TP=2 (8 query and 4 key/value heads of 128 a rank) over a
-cache of 16-token blocks in shuffled order: a decode step of 256 requests whose sequences hold
-64-640 keys (what the decode steps of benchmarks/vllm_speed.py run), and a prefill chunk of 32
-requests of 256 new tokens after 0-256 cached ones. Settings: warps and pipeline stages, which
-change no arithmetic, and the tile's query rows (BLOCK_M), which may change the MMA instruction
-Triton picks. CUDA-event time of one call, median of 50.
+The shapes are Qwen3-0.6B's at TP=2 (8 query and 4 key/value heads of 128 a rank) and TP=1
+(16 and 8) over a cache of 16-token blocks in shuffled order: a decode step of 256 requests
+whose sequences hold 64-640 keys (what the decode steps of benchmarks/vllm_speed.py run), and a
+prefill chunk of 32 requests of 256 new tokens after 0-256 cached ones.
 
     python3 benchmarks/paged_attention_bench.py [--json FILE]
 """
@@ -24,16 +25,13 @@ sys.path[:0] = [str(ROOT), str(ROOT / "kernels")]
 import torch  # noqa: E402
 
 import tbik  # noqa: E402
-from attention_bench import event_us  # noqa: E402  (beside this file)
 from tbik.tl import attention as kernels  # noqa: E402
 
-HQ, HKV, D, BLOCK = 8, 4, 128, 16
-SETTINGS = [dict(num_warps=w, num_stages=s) for w in (4, 8) for s in (1, 2, 3, 4)] + \
-    [dict(BLOCK_M=m) for m in (16, 32, 128)]
+D, BLOCK = 128, 16
 
 
-def _case(g, n_req: int, new: int, cached_lo: int, cached_hi: int):
-    """query [n_req * new, HQ, D], the caches, and the step's metadata in vLLM's layout."""
+def _case(g, n_req: int, new: int, cached_lo: int, cached_hi: int, hq: int = 8, hkv: int = 4):
+    """query [n_req * new, hq, D], the caches, and the step's metadata in vLLM's layout."""
     cached = torch.randint(cached_lo, cached_hi + 1, (n_req,), generator=g, device="cuda")
     seq_lens = (cached + new).int()
     blocks_per = (seq_lens + BLOCK - 1) // BLOCK
@@ -45,16 +43,35 @@ def _case(g, n_req: int, new: int, cached_lo: int, cached_hi: int):
     for r, nb in enumerate(blocks_per.tolist()):
         table[r, :nb] = order[at:at + nb]
         at += nb
-    k = torch.randn(n_blocks, BLOCK, HKV, D, generator=g, device="cuda").bfloat16()
-    v = torch.randn(n_blocks, BLOCK, HKV, D, generator=g, device="cuda").bfloat16()
-    q = torch.randn(n_req * new, HQ, D, generator=g, device="cuda").bfloat16()
+    k = torch.randn(n_blocks, BLOCK, hkv, D, generator=g, device="cuda").bfloat16()
+    v = torch.randn(n_blocks, BLOCK, hkv, D, generator=g, device="cuda").bfloat16()
+    q = torch.randn(n_req * new, hq, D, generator=g, device="cuda").bfloat16()
     qsl = torch.arange(0, n_req * new + 1, new, dtype=torch.int32, device="cuda")
     return q, k, v, qsl, seq_lens, table, new
 
 
-def _run(case):
-    q, k, v, qsl, seq_lens, table, new = case
-    return tbik.paged_attention(q, k, v, qsl, seq_lens, table, max_query_len=new, scale=D ** -0.5)
+def graph_us(fns: dict, calls: int = 20, rounds: int = 15) -> dict:
+    """GPU microseconds a call of each of `fns` (name -> fn), without the host's launch time:
+    `calls` calls captured in one CUDA graph a function, the graphs replayed in turn round after
+    round (clocks that ramp weigh on each alike), median over `rounds`."""
+    graphs = {}
+    for name, fn in fns.items():
+        fn()
+        torch.cuda.synchronize()
+        graphs[name] = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graphs[name]):
+            for _ in range(calls):
+                fn()
+    times: dict = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, graph in graphs.items():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times[name].append(start.elapsed_time(end) * 1000 / calls)
+    return {name: sorted(t)[len(t) // 2] for name, t in times.items()}
 
 
 def main() -> None:
@@ -62,30 +79,31 @@ def main() -> None:
     ap.add_argument("--json")
     args = ap.parse_args()
     g = torch.Generator(device="cuda").manual_seed(0)
-    cases = {"decode, 256 requests, 64-640 keys": _case(g, 256, 1, 63, 639),
-             "prefill chunk, 32 requests x 256 new, 0-256 cached": _case(g, 32, 256, 0, 256)}
-    shipped_meta, shipped_m = kernels._meta, kernels._BLOCK_M
+    cases = {"decode, TP=2 heads (8/4), 256 requests, 64-640 keys": _case(g, 256, 1, 63, 639),
+             "decode, TP=1 heads (16/8), 256 requests, 64-640 keys": _case(g, 256, 1, 63, 639, 16, 8),
+             "prefill chunk, TP=2 heads, 32 requests x 256 new, 0-256 cached": _case(g, 32, 256, 0, 256)}
+    shipped_rows = kernels.KEYS_MAJOR_ROWS
     rows = []
-    print("| case | setting | us | shipped us | shipped / this | bits equal |\n|---|---|---|---|---|---|")
-    for name, case in cases.items():
-        base = _run(case).clone()
-        base_us = event_us(lambda: _run(case))
-        for setting in SETTINGS:
-            m = setting.get("BLOCK_M", shipped_m)
-            kernels._BLOCK_M = m
-            kernels._meta = lambda q_, dim, s=setting: {**shipped_meta(q_, dim), **s}
+    print("| case | shipped kernel | us | row-major us | row-major / shipped | bits equal |\n|---|---|---|---|---|---|")
+    for name, (q, k, v, qsl, seq_lens, table, new) in cases.items():
+        outs = [torch.empty_like(q) for _ in range(2)]
+
+        def run(out, keys_major_rows):
+            kernels.KEYS_MAJOR_ROWS = keys_major_rows
             try:
-                same = torch.equal(_run(case).view(torch.int16), base.view(torch.int16))
-                us = event_us(lambda: _run(case))
-            except Exception as e:  # a setting Triton cannot compile: say so, go on
-                same, us = f"error: {type(e).__name__}", float("nan")
+                tbik.paged_attention(q, k, v, qsl, seq_lens, table, max_query_len=new, scale=D ** -0.5, out=out)
             finally:
-                kernels._meta, kernels._BLOCK_M = shipped_meta, shipped_m
-            label = ", ".join(f"{k}={v}" for k, v in setting.items())
-            print(f"| {name} | {label} | {us:.1f} | {base_us:.1f} | {base_us / us:.2f} | {same} |", flush=True)
-            rows.append({"device": torch.cuda.get_device_name(), "case": name, "setting": setting, "us": us,
-                         "shipped_us": base_us, "bits_equal": same,
-                         "command": " ".join(["python3 benchmarks/paged_attention_bench.py", *sys.argv[1:]])})
+                kernels.KEYS_MAJOR_ROWS = shipped_rows
+
+        times = graph_us({"shipped": lambda: run(outs[0], shipped_rows), "row-major": lambda: run(outs[1], 0)})
+        same = torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16))
+        shipped = "keys-major" if kernels.keys_major(q, new * q.shape[1] // k.shape[2]) else "row-major"
+        print(f"| {name} | {shipped} | {times['shipped']:.1f} | {times['row-major']:.1f} "
+              f"| {times['row-major'] / times['shipped']:.2f} | {same} |", flush=True)
+        rows.append({"device": torch.cuda.get_device_name(), "case": name, "shipped": shipped,
+                     "us": times["shipped"], "row_major_us": times["row-major"],
+                     "ratio": times["row-major"] / times["shipped"], "bits_equal": same,
+                     "command": " ".join(["python3 benchmarks/paged_attention_bench.py", *sys.argv[1:]])})
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
 

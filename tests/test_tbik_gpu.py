@@ -279,6 +279,48 @@ def test_paged_attention_gives_each_query_the_bits_of_attention(hq, hkv):
         assert_bits_equal(out[qsl[r]:qsl[r + 1]].transpose(0, 1)[None], prefill[r][:, :, -n:])
 
 
+@pytest.mark.parametrize("hq,hkv,d", [(8, 4, 128), (16, 8, 128), (16, 16, 64), (32, 4, 128), (64, 4, 128),
+                                      (12, 4, 96), (16, 2, 256)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_keys_major_paged_kernel_gives_the_row_major_bits(hq, hkv, d, dtype, monkeypatch):
+    """Paged calls of at most 16 query rows a key/value head (decode steps, short chunks) run with
+    the keys in the MMA's rows; every output element, written as fp32 and in the query's dtype,
+    has the bits the row-major kernel gives it. 48 requests of up to 700 keys over a shuffled
+    table with NaN in the unused slots."""
+    from tbik.tl import attention as kernels
+
+    if not kernels.mma_order_known(torch.device("cuda")):
+        pytest.skip("the keys-major kernel runs on sm90 under a checked Triton only")
+    group = hq // hkv
+    g = torch.Generator(device="cuda").manual_seed(hq * d + group)
+    for q_len in sorted({1, 16 // group}):
+        n_req, block = 48, 16
+        seq_lens = torch.randint(q_len, 701, (n_req,), generator=g, device="cuda").int()
+        width = 700 // block + 1
+        table = torch.randperm(n_req * width, generator=g, device="cuda").int().view(n_req, width)
+        kc = torch.full((n_req * width, block, hkv, d), float("nan"), device="cuda", dtype=dtype)
+        vc = kc.clone()
+        for r, n in enumerate(seq_lens.tolist()):
+            pos = torch.arange(n, device="cuda")
+            slots = table[r, pos // block].long()
+            kc[slots, pos % block] = torch.randn(n, hkv, d, generator=g, device="cuda").to(dtype)
+            vc[slots, pos % block] = torch.randn(n, hkv, d, generator=g, device="cuda").to(dtype)
+        query = (2 * torch.randn(n_req * q_len, hq, d, generator=g, device="cuda")).to(dtype)
+        qsl = torch.arange(0, n_req * q_len + 1, q_len, dtype=torch.int32, device="cuda")
+        assert kernels.keys_major(query, q_len * group)
+
+        def paged(out_dtype):
+            out = torch.zeros(query.shape, device="cuda", dtype=out_dtype)
+            return tbik.paged_attention(query, kc, vc, qsl, seq_lens, table, max_query_len=q_len, out=out)
+
+        fast = [paged(torch.float32), paged(dtype)]
+        assert not fast[0].isnan().any()
+        monkeypatch.setattr(kernels, "KEYS_MAJOR_ROWS", 0)
+        assert_bits_equal(fast[0], paged(torch.float32))
+        assert_bits_equal(fast[1], paged(dtype))
+        monkeypatch.undo()
+
+
 def test_attention_accuracy():
     (q, k, v), = _sequences([512], hq=8, hkv=2)
     out = tbik.attention(q[None], k[None], v[None])

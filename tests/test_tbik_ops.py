@@ -6,6 +6,9 @@ import torch
 import torch.nn.functional as F
 
 import tbik
+import triton
+import triton.language as tl
+from tbik.tl import attention as attention_kernels
 
 pytestmark = pytest.mark.usefixtures("triton_interpreter")
 
@@ -242,6 +245,55 @@ def test_paged_attention_gives_each_query_the_bits_of_attention(gqa_sequences):
     assert not out.isnan().any()
     for r, n in enumerate(new):
         assert_bits_equal(out[qsl[r]:qsl[r + 1]].transpose(0, 1)[None], prefill[r][:, :, -n:])
+
+
+def test_row_sum_in_mma_order_adds_each_lanes_keys_in_turn_then_the_lanes():
+    """The keys-major kernels' softmax denominator: key 8c + 2t + j goes to lane t, each lane
+    adds its keys in (c, j) order, then (lane 0 + lane 2) + (lane 1 + lane 3). Values over 40
+    binades, so another order gives other bits (torch's sum does)."""
+
+    @triton.jit  # decorated here: the interpreter is on inside the tests only
+    def row_sum_kernel(p_ptr, out_ptr, Q: tl.constexpr):
+        rows, cols = tl.arange(0, 64), tl.arange(0, Q)
+        p_t = tl.load(p_ptr + rows[:, None] * Q + cols[None, :])
+        tl.store(out_ptr + cols, attention_kernels.row_sum_in_mma_order(p_t, Q))
+
+    g = torch.Generator().manual_seed(0)
+    p_t = torch.rand(64, 16, generator=g) * torch.exp2(torch.randint(-20, 20, (64, 16), generator=g).float())
+    got = torch.empty(16)
+    row_sum_kernel[(1,)](p_t, got, Q=16)
+    x = p_t.reshape(8, 4, 2, 16)  # [c, lane, j, query]
+    lanes = []
+    for t in range(4):
+        acc = x[0, t, 0] + x[0, t, 1]
+        for c in range(1, 8):
+            acc = acc + x[c, t, 0]
+            acc = acc + x[c, t, 1]
+        lanes.append(acc)
+    assert_bits_equal(got, (lanes[0] + lanes[2]) + (lanes[1] + lanes[3]))
+    assert not torch.equal(got, p_t.sum(0))
+
+
+def test_keys_major_paged_kernel_computes_the_same_attention(gqa_sequences, monkeypatch):
+    """The paged kernel keys-major (calls of at most 16 query rows a key/value head, on sm90)
+    under the interpreter: a batch of a decode step and short chunks over NaN-filled unused
+    slots gives each query the dense kernel's attention. (The interpreter sums in NumPy's order,
+    not the MMA's: the bits are compared on a GPU, tests/test_tbik_gpu.py.)"""
+    monkeypatch.setattr(attention_kernels, "mma_order_known", lambda device: True)
+    q = gqa_sequences[0][0][None]  # 4 query heads over 2 key/value heads
+    assert attention_kernels.keys_major(q, 8 * 2) and not attention_kernels.keys_major(q, 9 * 2)
+    assert not attention_kernels.keys_major(q.float(), 2)
+    kc, vc, table = _paged(gqa_sequences)
+    new = [1, 8, 3]
+    queries = torch.cat([s[0][:, -n:].transpose(0, 1) for s, n in zip(gqa_sequences, new)])
+    qsl = torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()], dtype=torch.int32)
+    seq_lens = torch.tensor([s[1].shape[1] for s in gqa_sequences], dtype=torch.int32)
+    out = tbik.paged_attention(queries, kc, vc, qsl, seq_lens, table, max_query_len=max(new))
+    assert not out.isnan().any()
+    for r, n in enumerate(new):
+        alone = tbik.attention(*(t[None] for t in gqa_sequences[r]))
+        torch.testing.assert_close(out[qsl[r]:qsl[r + 1]].transpose(0, 1)[None], alone[:, :, -n:],
+                                   atol=0, rtol=2 ** -7)
 
 
 def test_attention_fp32_and_right_padding_do_not_crash():
