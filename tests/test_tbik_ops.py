@@ -232,15 +232,21 @@ def _paged(seqs, block_size=8, n_blocks=64, seed=5):
     return kc, vc, table
 
 
+def _serving_batch(seqs, new):
+    """Each sequence's last new[r] queries, flat ([N, Hq, D]), with query_start_loc and seq_lens."""
+    queries = torch.cat([q[:, -n:].transpose(0, 1) for (q, _, _), n in zip(seqs, new)])
+    qsl = torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()], dtype=torch.int32)
+    seq_lens = torch.tensor([k.shape[1] for _, k, _ in seqs], dtype=torch.int32)
+    return queries, qsl, seq_lens
+
+
 def test_paged_attention_gives_each_query_the_bits_of_attention(gqa_sequences):
     kc, vc, table = _paged(gqa_sequences)
     prefill = [tbik.attention(q[None], k[None], v[None]) for q, k, v in gqa_sequences]
     # One batch as a serving engine schedules it: request 0 decodes its last token, request 1
     # prefills in full, request 2 prefills its last 75 tokens as a chunk after 55 cached ones.
     new = [1, gqa_sequences[1][0].shape[1], 75]
-    queries = torch.cat([q[:, -n:].transpose(0, 1) for (q, _, _), n in zip(gqa_sequences, new)])  # [N, Hq, D]
-    qsl = torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()], dtype=torch.int32)
-    seq_lens = torch.tensor([k.shape[1] for _, k, _ in gqa_sequences], dtype=torch.int32)
+    queries, qsl, seq_lens = _serving_batch(gqa_sequences, new)
     out = tbik.paged_attention(queries, kc, vc, qsl, seq_lens, table, max_query_len=max(new))
     assert not out.isnan().any()
     for r, n in enumerate(new):
@@ -248,7 +254,7 @@ def test_paged_attention_gives_each_query_the_bits_of_attention(gqa_sequences):
 
 
 def test_row_sum_in_mma_order_adds_each_lanes_keys_in_turn_then_the_lanes():
-    """The keys-major kernels' softmax denominator: key 8c + 2t + j goes to lane t, each lane
+    """The keys-major paged kernel's softmax denominator: key 8c + 2t + j goes to lane t, each lane
     adds its keys in (c, j) order, then (lane 0 + lane 2) + (lane 1 + lane 3). Values over 40
     binades, so another order gives other bits (torch's sum does)."""
 
@@ -285,9 +291,7 @@ def test_keys_major_paged_kernel_computes_the_same_attention(gqa_sequences, monk
     assert not attention_kernels.keys_major(q.float(), 2)
     kc, vc, table = _paged(gqa_sequences)
     new = [1, 8, 3]
-    queries = torch.cat([s[0][:, -n:].transpose(0, 1) for s, n in zip(gqa_sequences, new)])
-    qsl = torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()], dtype=torch.int32)
-    seq_lens = torch.tensor([s[1].shape[1] for s in gqa_sequences], dtype=torch.int32)
+    queries, qsl, seq_lens = _serving_batch(gqa_sequences, new)
     out = tbik.paged_attention(queries, kc, vc, qsl, seq_lens, table, max_query_len=max(new))
     assert not out.isnan().any()
     for r, n in enumerate(new):
