@@ -15,6 +15,8 @@ median of each back-to-back pair's ratio (`pair_ratios`). TP>1 runs under torchr
     torchrun --nproc-per-node 2 benchmarks/engine_speed.py --tp 2 --json reports/perf/engine_speed.json
 
 --profile DIR writes a torch.profiler table per (mode, kernels) at the middle batch size.
+`--kernels stock-eager` is stock with transformers' RMSNorm and rotary ops unfused (the stock
+mode fuses their element-wise chains, same bits): run beside stock, it times what that saves.
 """
 
 from __future__ import annotations
@@ -99,6 +101,22 @@ def _plain_generate(model, batch, pad_id, new, cache):
     return (out.shape[1] - T) * len(batch)
 
 
+def _kernels(hfm, kernels: str):
+    """kernel_mode, or for "stock-eager" the stock mode with its fused norms and rotary left out."""
+    from contextlib import ExitStack
+    from unittest import mock
+
+    from repaudit.run import kernelmodes
+
+    if kernels != "stock-eager":
+        return kernelmodes.kernel_mode(hfm, kernels)
+    stack = ExitStack()
+    for name in ("_stock_norms", "_rope_modules"):
+        stack.enter_context(mock.patch.object(kernelmodes, name, lambda model: []))
+    stack.enter_context(kernelmodes.kernel_mode(hfm, "stock"))
+    return stack
+
+
 def _timed(fn):
     _sync()
     t0 = time.perf_counter()
@@ -128,7 +146,6 @@ def main() -> None:
     from repaudit.engines import hf
     from repaudit.engines.base import Sequence, Timing
     from repaudit.files import write_json_atomic
-    from repaudit.run.kernelmodes import kernel_mode
 
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
@@ -151,7 +168,7 @@ def main() -> None:
         return r.get("device"), r.get("tp"), r.get("kernels"), r.get("mode"), r.get("batch"), r.get("workload", "suite:default")
 
     for kernels in args.kernels.split(","):
-        with kernel_mode(hfm, kernels):
+        with _kernels(hfm, kernels):
             for mode in args.mode.split(","):
                 for bs in batches:
                     pool = seqs[mode] * (-(-bs * args.chunks // len(seqs[mode])))

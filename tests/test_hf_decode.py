@@ -522,26 +522,34 @@ def test_traced_graph_replays_give_the_eager_steps_trace(tiny, monkeypatch):
 
 
 def _fused_norms_against_eager(hfm, monkeypatch, batch) -> None:
+    import tbik
+
     from repaudit.run import kernelmodes
 
     fused = kernelmodes._fused_norms(hfm.model)
     layers = hfm.model.config.num_hidden_layers
     assert len(fused) >= 2 * layers + 1, "the decoder's RMSNorms were not recognised as Llama's"
+    assert len(kernelmodes._stock_norms(hfm.model)) == len(fused)
     assert len(kernelmodes._rope_modules(hfm.model)) == 1, "the rotary embedding was not recognised as Llama's"
-    for mode in ("bi", "tbik"):
-        with_fused = _generate(hfm, "static", batch, mode)
+    for mode in ("stock", "bi", "tbik"):
+        squares = []
         with monkeypatch.context() as m:
-            m.setattr(kernelmodes, "_fused_norms", lambda model: [])
-            m.setattr(kernelmodes, "_rope_modules", lambda model: [])
+            m.setattr(tbik, "float_squares", lambda x, f=tbik.float_squares: squares.append(1) or f(x))
+            with_fused = _generate(hfm, "static", batch, mode)
+        assert bool(squares) == (mode == "stock"), "only the stock norms take torch's mean of tbik's squares"
+        with monkeypatch.context() as m:
+            for name in ("_fused_norms", "_stock_norms", "_rope_modules"):
+                m.setattr(kernelmodes, name, lambda model: [])
             eager = _generate(hfm, "static", batch, mode)
         for a, b in zip(with_fused, eager):
-            assert _bits_equal(a, b), f"{mode}: {a.prompt_id} differs between tbik's fused ops and the eager ones"
+            assert _bits_equal(a, b), f"{mode}: {a.prompt_id} differs between the fused ops and the eager ones"
 
 
 def test_fused_norms_give_the_eager_norms_records(tiny, monkeypatch):
-    """bi and tbik run Llama-form RMSNorms as tbik.rms_norm and Llama's apply_rotary_pos_emb as
-    tbik.apply_rope (one kernel each): the records are those of transformers' own code under
-    the mode's overrides, bit for bit."""
+    """Every mode runs Llama-form RMSNorms and Llama's apply_rotary_pos_emb fused (bi and tbik:
+    tbik.rms_norm, one kernel; stock: tbik's squares, torch's own mean, tbik's scaling; all:
+    tbik.apply_rope): the records are those of transformers' own code under the mode's
+    overrides, bit for bit."""
     _fused_norms_against_eager(tiny, monkeypatch, _batch())
 
 

@@ -3,6 +3,8 @@
 Skipped cleanly without CUDA. Run by benchmarks/gpu_kernels.sh on the lent GPU machine.
 """
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -392,6 +394,22 @@ def test_rms_norm_gives_the_eager_ops_bits(n, dtype):
     qkv = _spread(300, 3 * 1024, dtype=dtype, seed=5)
     q = qkv[:, :1024].view(300, 8, 128)
     assert_bits_equal(tbik.rms_norm(q, w[:128], 1e-6), _eager_rms_norm(q, w[:128], 1e-6)[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("shape", [(1, 1024), (32, 1, 1024), (8, 300, 1024), (32, 1, 16, 128), (4, 77, 8, 128),
+                                   (3, 50, 1500), (2, 9, 4096), (64, 5120), (1, 1, 2048)])
+def test_rms_norm_with_torchs_mean_gives_the_stock_ops_bits(shape, dtype):
+    """The stock mode's RMSNorm (kernelmodes._stock_norms): tbik's squares, torch's own mean of
+    them, tbik's scaling; the bits of transformers' eight eager ops, at decode, prefill and
+    per-head shapes, whatever order torch's mean picks for them."""
+    x = _spread(math.prod(shape[:-1]), shape[-1], dtype=dtype, seed=shape[-1]).reshape(shape)
+    w = (1 + 0.1 * _spread(shape[-1], dtype=torch.float32, seed=3)).to(dtype)
+    h = x.to(torch.float32)
+    want = w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
+    squares = tbik.float_squares(x)
+    assert_bits_equal(squares, h.pow(2))
+    assert_bits_equal(tbik.rms_norm(x, w, 1e-6, mean_sq=squares.mean(-1, keepdim=True)), want)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

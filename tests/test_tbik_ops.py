@@ -79,6 +79,25 @@ def test_rms_norm_batch_invariant_and_the_eager_ops_bits(dtype):
     assert_bits_equal(tbik.rms_norm(q, w[:128], 1e-6), _eager_rms_norm(q, w[:128], 1e-6)[0])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_with_a_given_mean_gives_the_stock_ops_bits(dtype):
+    """The stock mode's norm: tbik's squares, torch's own mean of them, then tbik's scaling, is
+    transformers' RMSNorm op by op with torch's mean, whatever order that mean adds in."""
+    x = randn(3, 7, 1500, dtype=dtype, seed=5) * 3
+    w = (1 + 0.1 * randn(1500, seed=6)).to(dtype)
+    h = x.float()
+    assert_bits_equal(tbik.float_squares(x), h.pow(2))
+    mean_sq = h.pow(2).mean(-1, keepdim=True)
+    want = w * (h * torch.rsqrt(mean_sq + 1e-6)).to(dtype)
+    assert_bits_equal(tbik.rms_norm(x, w, 1e-6, mean_sq=tbik.float_squares(x).mean(-1, keepdim=True)), want)
+    # A mean the kernel did not compute is the one it uses: another mean, other bits.
+    assert not torch.equal(tbik.rms_norm(x, w, 1e-6, mean_sq=mean_sq * 4), want)
+    with pytest.raises(ValueError, match="mean_sq must be float32"):
+        tbik.rms_norm(x, w, 1e-6, mean_sq=mean_sq[..., 0])
+    with pytest.raises(ValueError, match="contiguous"):
+        tbik.float_squares(x.transpose(0, 1))
+
+
 def _bf16(a) -> torch.Tensor:
     return torch.from_numpy(a).to(torch.bfloat16)
 

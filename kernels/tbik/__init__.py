@@ -2,7 +2,7 @@
 
 Triton kernels whose results do not move with the tensor-parallel size or the batch size:
 the TBIK tree matmul and its per-rank partial, a tree all-reduce, and batch-invariant
-log-softmax, RMSNorm, last-dim mean and causal attention (also over a paged KV cache);
+log-softmax, RMSNorm (also scaling by a mean of squares given), last-dim mean and causal attention (also over a paged KV cache);
 SiLU-and-mul and rotary embedding with the bits of transformers' eager ops in one kernel each;
 plus a mode that routes aten's mm/addmm/_log_softmax/mean.dim to them. Depends on torch and
 triton only. See docs/tbik.md.
@@ -18,7 +18,7 @@ from .backend import use_interpreter
 from .elementwise import apply_rope, rope, silu_and_mul
 from .matmul import NUM_CHUNKS, SUPPORTED_CHUNKS, matmul_partial, tree_matmul
 from .modes import batch_invariant_mode, disable_batch_invariant_mode, enable_batch_invariant_mode, is_batch_invariant_mode_enabled
-from .norm import mean_last_dim, rms_norm
+from .norm import float_squares, mean_last_dim, rms_norm
 from .softmax import log_softmax
 
 __all__ = [
@@ -29,6 +29,7 @@ __all__ = [
     "batch_invariant_mode",
     "disable_batch_invariant_mode",
     "enable_batch_invariant_mode",
+    "float_squares",
     "is_batch_invariant_mode_enabled",
     "log_softmax",
     "matmul_partial",

@@ -86,10 +86,11 @@ def mean_last_dim(x: torch.Tensor, keepdim: bool = False, dtype=None) -> torch.T
     return mean.to(out_dtype)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+             mean_sq: torch.Tensor | None = None):
     total = x if residual is None else residual + x
     h = total.float()
-    h = h * torch.rsqrt(mean_last_dim(h.pow(2), keepdim=True) + eps)
+    h = h * torch.rsqrt((mean_last_dim(h.pow(2), keepdim=True) if mean_sq is None else mean_sq) + eps)
     out = weight * h.to(x.dtype)
     return out if residual is None else (out, total)
 

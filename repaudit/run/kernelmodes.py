@@ -1,6 +1,8 @@
 """Kernel modes of the transformers engine, switched per cell inside one loaded model.
 
-- stock: the engine's defaults.
+- stock: transformers' own kernels, bit for bit. Only two chains of element-wise ops run fused,
+  with the eager chains' bits: Llama-form RMSNorms (their squares in one kernel, torch's own
+  mean, the scaling in one more) and Llama's rotary embedding (tbik.apply_rope).
 - bi: batch-invariant. Every matmul (aten mm/addmm), log-softmax and last-dim mean goes to
   tbik's fixed-configuration kernels, attention to tbik's attention (fixed KV blocks counted
   from each sequence's first real token). Row-parallel layers still sum their bf16 outputs
@@ -210,9 +212,31 @@ def _fused_norms(model: torch.nn.Module) -> list[tuple[torch.nn.Module, object]]
     return [(m, fused(m)) for m in model.modules() if _is_llama_rms_norm(m)]
 
 
+# The stock mode's RMSNorm: the same eight kernels, of which only the mean reduces, and whose
+# order (torch's, picked from the tensor's shape, strides and alignment) no other kernel can
+# promise to follow. So torch's own mean runs on the squares the eager ops would hand it (a new
+# contiguous fp32 tensor of x's shape), and the two element-wise chains around it run as one
+# kernel each: three kernels with the eager ops' bits
+# (tests/test_tbik_gpu.py::test_rms_norm_with_torchs_mean_gives_the_stock_ops_bits).
+def _stock_norms(model: torch.nn.Module) -> list[tuple[torch.nn.Module, object]]:
+    import tbik
+
+    def fused(module):
+        def forward(hidden_states: torch.Tensor) -> torch.Tensor:
+            if (type(hidden_states) is not torch.Tensor or type(module.weight.data) is not torch.Tensor
+                    or not hidden_states.is_contiguous()):
+                return type(module).forward(module, hidden_states)
+            mean_sq = tbik.float_squares(hidden_states).mean(-1, keepdim=True)
+            return tbik.rms_norm(hidden_states, module.weight, module.variance_epsilon, mean_sq=mean_sq)
+
+        return forward
+
+    return [(m, fused(m)) for m in model.modules() if _is_llama_rms_norm(m)]
+
+
 # transformers' apply_rotary_pos_emb and rotate_half as Llama's modeling file (and every family
-# copying it) writes them: under the modes, ten kernels a layer (a product, a negation, a cat,
-# a product and a sum, for q and for k) that tbik.apply_rope does in two with their bits
+# copying it) writes them: in every mode ten kernels a layer (a product, a negation, a cat,
+# a product and a sum, for q and for k; no reduction) that tbik.apply_rope does in two with their bits
 # (tests/test_tbik_gpu.py::test_apply_rope_gives_transformers_apply_rotary_pos_emb_bits).
 _LLAMA_ROPE = ("""
 def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
@@ -289,9 +313,10 @@ def _attention_impl(model: torch.nn.Module, name: str) -> Iterator[None]:
 
 @contextmanager
 def kernel_mode(hfm, mode: str) -> Iterator[None]:
-    """Run the body with the cell's kernels; the model is back to stock afterwards."""
+    """Run the body with the cell's kernels; the model is back to transformers' own afterwards."""
     if mode == "stock":
-        yield
+        with replaced_forwards(_stock_norms(hfm.model)), _fused_rope(hfm.model):
+            yield
         return
     if mode not in ("bi", "tbik"):
         raise ValueError(f"unknown kernel mode {mode!r}")

@@ -28,6 +28,7 @@ _MAX_BLOCK = 1024
 # itself: two 1,024-wide rows a program measured slower at decode row counts (norm_bench.py).
 _ROW_ELEMENTS = 2048
 _NARROW = 256
+_SQUARES_BLOCK = 1024
 
 
 def _block(n_cols: int) -> int:
@@ -64,27 +65,31 @@ def _halving_sum_rows(acc, ROWS: tl.constexpr, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, n_rows, rows_inner, n_cols, stride_xo, stride_xi,
-                     stride_r, stride_o, stride_s, eps, HAS_RESIDUAL: tl.constexpr, ROWS: tl.constexpr,
-                     BLOCK: tl.constexpr):
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, mean_ptr, n_rows, rows_inner, n_cols, stride_xo,
+                     stride_xi, stride_r, stride_o, stride_s, eps, HAS_RESIDUAL: tl.constexpr,
+                     MEAN_GIVEN: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
     # ROWS rows a program: a per-head q/k norm row is 128 wide, one element a thread with one row a
     # program. Rows of x may be two-level strided (vLLM's per-head q/k views of a fused qkv output).
     row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
     row_ok = row < n_rows
     x_row = x_ptr + (row // rows_inner) * stride_xo + (row % rows_inner) * stride_xi
     dtype = x_ptr.dtype.element_ty
-    acc = tl.zeros((ROWS, BLOCK), dtype=tl.float32)
-    for start in range(0, n_cols, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        mask = row_ok[:, None] & (cols < n_cols)[None, :]
-        x = tl.load(x_row[:, None] + cols[None, :], mask=mask, other=0.0)
-        if HAS_RESIDUAL:
-            res = tl.load(res_ptr + row[:, None] * stride_r + cols[None, :], mask=mask, other=0.0)
-            x = (res.to(tl.float32) + x.to(tl.float32)).to(dtype)
-            tl.store(sum_ptr + row[:, None] * stride_s + cols[None, :], x, mask=mask)
-        h = x.to(tl.float32)
-        acc += h * h  # the square rounded, then added: h.pow(2), then the mean kernel's loop
-    rstd = tl.math.rsqrt(_halving_sum_rows(acc, ROWS, BLOCK) / n_cols + eps)
+    if MEAN_GIVEN:  # each row's mean of squares came from elsewhere (torch's own reduction)
+        mean = tl.load(mean_ptr + row, mask=row_ok, other=1.0)
+    else:
+        acc = tl.zeros((ROWS, BLOCK), dtype=tl.float32)
+        for start in range(0, n_cols, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            mask = row_ok[:, None] & (cols < n_cols)[None, :]
+            x = tl.load(x_row[:, None] + cols[None, :], mask=mask, other=0.0)
+            if HAS_RESIDUAL:
+                res = tl.load(res_ptr + row[:, None] * stride_r + cols[None, :], mask=mask, other=0.0)
+                x = (res.to(tl.float32) + x.to(tl.float32)).to(dtype)
+                tl.store(sum_ptr + row[:, None] * stride_s + cols[None, :], x, mask=mask)
+            h = x.to(tl.float32)
+            acc += h * h  # the square rounded, then added: h.pow(2), then the mean kernel's loop
+        mean = _halving_sum_rows(acc, ROWS, BLOCK) / n_cols
+    rstd = tl.math.rsqrt(mean + eps)
     src = sum_ptr + row * stride_s if HAS_RESIDUAL else x_row
     for start in range(0, n_cols, BLOCK):
         cols = start + tl.arange(0, BLOCK)
@@ -96,6 +101,13 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, n_rows, rows_inner
 
 
 @triton.jit
+def _squares_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    h = tl.load(x_ptr + i, mask=i < n, other=0.0).to(tl.float32)
+    tl.store(out_ptr + i, h * h, mask=i < n)
+
+
+@triton.jit
 def _mean_kernel(x_ptr, out_ptr, n_cols, stride_x, ACC: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     total = _row_sum(x_ptr + row * stride_x, n_cols, ACC, BLOCK)
@@ -104,6 +116,7 @@ def _mean_kernel(x_ptr, out_ptr, n_cols, stride_x, ACC: tl.constexpr, BLOCK: tl.
 
 _rms_norm = CachedKernel(_rms_norm_kernel)
 _mean = CachedKernel(_mean_kernel)
+_squares = CachedKernel(_squares_kernel)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -118,8 +131,8 @@ def _row_view(x: torch.Tensor) -> torch.Tensor:
     return x3 if x3.stride(-1) == 1 else x3.contiguous()
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+             mean_sq: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     n_cols = x.shape[-1]
     rows = _row_view(x)
     out = torch.empty((*x.shape[:-1], n_cols), dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
@@ -129,12 +142,21 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         n_rows = out.numel() // n_cols
         block = _block(n_cols)
         per_program = min(max(1, _ROW_ELEMENTS // block), triton.next_power_of_2(n_rows)) if block <= _NARROW else 1
-        meta = dict(HAS_RESIDUAL=residual is not None, ROWS=per_program, BLOCK=block, num_warps=4,
-                    enable_fp_fusion=False)
-        _rms_norm((triton.cdiv(n_rows, per_program),), (rows, res, weight.contiguous(), out, total, n_rows,
+        meta = dict(HAS_RESIDUAL=residual is not None, MEAN_GIVEN=mean_sq is not None, ROWS=per_program,
+                    BLOCK=block, num_warps=4, enable_fp_fusion=False)
+        mean = out if mean_sq is None else mean_sq.reshape(-1).contiguous()
+        _rms_norm((triton.cdiv(n_rows, per_program),), (rows, res, weight.contiguous(), out, total, mean, n_rows,
                                                         rows.shape[1], n_cols, rows.stride(0), rows.stride(1),
                                                         res.stride(0), n_cols, n_cols, float(eps)), meta)
     return out if residual is None else (out, total)
+
+
+def float_squares(x: torch.Tensor) -> torch.Tensor:
+    out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    if out.numel():
+        _squares((triton.cdiv(out.numel(), _SQUARES_BLOCK),), (x.contiguous(), out, out.numel()),
+                 dict(BLOCK=_SQUARES_BLOCK, num_warps=4))
+    return out
 
 
 def mean_last_dim(x: torch.Tensor, keepdim: bool, dtype: torch.dtype | None) -> torch.Tensor:
