@@ -11,15 +11,11 @@ step "GPU tests: the paged kernel keys-major against row-major, paged against de
 timeout 120 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_tbik_gpu.py -k "paged" \
   > "$OUT/pytest.log" 2>&1; echo "exit $?" >> "$OUT/pytest.log"; tail -n 2 "$OUT/pytest.log"
 step "rollout: vLLM TP=2 batch 1, 32, tbik, against the committed trainer cell"
-mkdir -p /tmp/trainer && tar xJf reports/vllm/h200x2-trainer-rollout/cells.tar.xz -C /tmp/trainer
-C="--model builtin:qwen3-0.6b --device cuda --kernels tbik --mode generate --probes default --max-new-tokens 16 --topk 5"
-COLUMNS=150 timeout -k 5 230 python3 -m repaudit run $C --engine vllm --tp 2 --batch-size 1,32 --timeout 150 \
-  --load-timeout 200 --out /tmp/r/vllm > "$OUT/run-vllm.log" 2>&1; echo "vllm exit $?"
+committed_trainer /tmp/trainer
+rollout_tp2 /tmp/r/vllm --model builtin:qwen3-0.6b
 trainer_rollout_diffs /tmp/trainer /tmp/r/vllm
 step "paged attention: keys-major against row-major"
 timeout 60 python3 benchmarks/paged_attention_bench.py --json "$OUT/paged_attention.json"
 step "speed: stock and tbik, TP=2"
-timeout "${SPEED_BUDGET:-240}" python3 benchmarks/vllm_speed.py --model "$MODEL" --tp 2 --kernels stock,tbik \
-  --runs "${RUNS:-2}" --json "$OUT/vllm_speed.json" > "$OUT/speed-tp2.log" 2>&1; echo "speed exit $?"
-grep -v "INFO\|WARNING\|it/s\]" "$OUT/speed-tp2.log" | tail -n 8
+SPEED_BUDGET=${SPEED_BUDGET:-240} speed_tp2 "${RUNS:-2}"
 step done

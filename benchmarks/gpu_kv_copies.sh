@@ -36,9 +36,7 @@ step "trainer (GPU 0, meanwhile): transformers TP=1 batch 1, tbik; rollout: vLLM
 (COLUMNS=150 CUDA_VISIBLE_DEVICES=0 timeout -k 5 150 python3 -m repaudit run $C --engine hf --tp 1 --batch-size 1 \
    --out /tmp/k/hf > "$OUT/run-hf.log" 2>&1; echo "hf exit $?") &
 # Eager (${VLLM_ARGS:-enforce_eager=true}): the copied head is the point here, not vLLM's graphs.
-COLUMNS=150 timeout -k 5 230 python3 -m repaudit run $C --engine vllm --tp 2 --batch-size 1,32 --timeout 150 \
-  --load-timeout 200 --vllm-arg "${VLLM_ARGS:-enforce_eager=true}" --out /tmp/k/vllm > "$OUT/run-vllm.log" 2>&1
-echo "vllm exit $?"
+rollout_tp2 /tmp/k/vllm --model "$M" --vllm-arg "${VLLM_ARGS:-enforce_eager=true}"
 wait
 grep -v "it/s\]" "$OUT/run-vllm.log" | tail -n 6
 trainer_rollout_diffs /tmp/k/hf /tmp/k/vllm

@@ -9,7 +9,7 @@ step "trainer: transformers TP=1 batch 1, tbik"
 C="--model builtin:qwen3-0.6b --device cuda --kernels tbik --mode generate --probes default --max-new-tokens 16 --topk 5"
 COLUMNS=150 CUDA_VISIBLE_DEVICES=0 timeout -k 5 100 python3 -m repaudit run $C --engine hf --tp 1 --batch-size 1 --out /tmp/r/hf > "$OUT/run-hf.log" 2>&1; echo "hf exit $?"
 step "rollout: vLLM TP=2 batch 1, 32, tbik"
-COLUMNS=150 timeout -k 5 230 python3 -m repaudit run $C --engine vllm --tp 2 --batch-size 1,32 --timeout 150 --load-timeout 200 --out /tmp/r/vllm > "$OUT/run-vllm.log" 2>&1; echo "vllm exit $?"
+rollout_tp2 /tmp/r/vllm --model builtin:qwen3-0.6b
 grep -v "it/s\]" "$OUT/run-vllm.log" | tail -n 6
 trainer_rollout_diffs /tmp/r/hf /tmp/r/vllm
 step done

@@ -14,10 +14,7 @@ cd "$(dirname "$0")/.."
 source benchmarks/gpu_vllm_setup.sh
 cp reports/perf/vllm_speed.json "$OUT/"
 step "vLLM stock,tbik TP=2: speed"
-timeout "${SPEED_BUDGET:-420}" python3 benchmarks/vllm_speed.py --model "$MODEL" --tp 2 --kernels stock,tbik --runs 3 \
-  --json "$OUT/vllm_speed.json" > "$OUT/speed-tp2.log" 2>&1
-echo "exit $?" >> "$OUT/speed-tp2.log"
-grep -E "run:|tok/s|^exit" "$OUT/speed-tp2.log" | tail -n 20
+speed_tp2
 step "trainer (transformers TP=1) versus rollout (vLLM TP=1, 2), tbik"
 R=/tmp/runs/pair; rm -rf $R
 COLUMNS=150 timeout -k 10 "${RUN_BUDGET:-240}" python3 -m repaudit run --model builtin:qwen3-0.6b --device cuda \

@@ -3,7 +3,8 @@
 # vLLM installed and on PYTHONPATH, MODEL (the built-in Qwen3-0.6B-shaped model's folder), `speed`
 # (engine_speed.py's common arguments), graph_tests (CUDA-graph replays against eager steps),
 # trace_overhead REPEATS SECONDS (benchmarks/trace_bench.py, batch 8), run_lanes (the script's
-# lane0 and lane1 at the same time, logged to $OUT/lane0.log and lane1.log) and trainer_rollout_diffs.
+# lane0 and lane1 at the same time, logged to $OUT/lane0.log and lane1.log), speed_tp2,
+# committed_trainer, rollout_tp2 and trainer_rollout_diffs.
 mkdir -p "$OUT"
 START=$(date +%s)
 step() { echo "== $(date +%T) [$(( $(date +%s) - START ))s] $1"; }
@@ -41,4 +42,32 @@ trainer_rollout_diffs() {
       "$2/cells/vllm-tp2-bs$b-default-tbik-generate.parquet" > "$OUT/diff-vllm-tp2-bs$b.txt" 2>&1; echo "diff bs$b exit $?"
     head -n 10 "$OUT/diff-vllm-tp2-bs$b.txt"
   done
+}
+
+# speed_tp2 [RUNS]: vLLM stock and tbik at TP=2 side by side in one call (benchmarks/vllm_speed.py, 256
+# random prompts of 64-512 tokens, 128 new, median of RUNS, default 3) into $OUT/vllm_speed.json and
+# $OUT/speed-tp2.log. SPEED_BUDGET (default 420) seconds at most.
+speed_tp2() {
+  timeout "${SPEED_BUDGET:-420}" python3 benchmarks/vllm_speed.py --model "$MODEL" --tp 2 --kernels stock,tbik \
+    --runs "${1:-3}" --json "$OUT/vllm_speed.json" > "$OUT/speed-tp2.log" 2>&1
+  echo "exit $?" >> "$OUT/speed-tp2.log"
+  grep -E "run:|^exit" "$OUT/speed-tp2.log" | tail -n 12
+}
+
+# committed_trainer DIR: the committed transformers TP=1 tbik cells (reports/vllm/h200x2-trainer-rollout/)
+# unpacked in DIR, a trainer to hold a rollout against without running one.
+committed_trainer() {
+  mkdir -p "$1" && tar xJf reports/vllm/h200x2-trainer-rollout/cells.tar.xz -C "$1"
+}
+
+# rollout_tp2 DIR ARGS...: vLLM at TP=2 with the tbik plugin, generate, batch 1 and 32, the default
+# suite, 16 new tokens, top-5, into a fresh DIR (log: $OUT/run-vllm.log). ARGS name the model and
+# anything else (--vllm-arg ...). RUN_BUDGET (default 230) seconds at most.
+rollout_tp2() {
+  local dir=$1; shift
+  rm -rf "$dir"
+  COLUMNS=150 timeout -k 5 "${RUN_BUDGET:-230}" python3 -m repaudit run --device cuda --engine vllm --tp 2 \
+    --batch-size 1,32 --kernels tbik --mode generate --probes default --max-new-tokens 16 --topk 5 --timeout 150 \
+    --load-timeout 200 --out "$dir" "$@" > "$OUT/run-vllm.log" 2>&1
+  echo "vllm exit $?"
 }

@@ -553,6 +553,28 @@ def test_fused_norms_give_the_eager_norms_records(tiny, monkeypatch):
     _fused_norms_against_eager(tiny, monkeypatch, _batch())
 
 
+def test_float64_norms_and_rotary_run_transformers_own_ops(monkeypatch):
+    """tbik's element-wise kernels compute in fp32, so a float64 layer (a model cast by its user;
+    the engine loads the three kernel dtypes) keeps transformers' own norm and rotary, whose
+    products stay in float64, in every mode."""
+    import tbik
+
+    from repaudit.run import kernelmodes
+
+    path = builtin.ensure("builtin:tiny-qwen3")
+    hfm = hf.load(str(path), dtype="float32", device="cpu", tp=1, stop_ids=(), pad_id=0)
+    hfm.model.double()
+    calls = []
+    for name in ("rms_norm", "float_squares", "apply_rope"):
+        monkeypatch.setattr(tbik, name, lambda *a, _n=name, **k: calls.append(_n))
+    for mode in ("stock", "bi", "tbik"):
+        rows = _generate(hfm, "static", _batch(new=3), mode)
+        assert all(np.isfinite(r.logprob).all() for r in rows)
+    assert calls == []
+    x, cos = torch.zeros(1, 2, 3, 4, dtype=torch.float64), torch.zeros(1, 3, 4, dtype=torch.float64)
+    assert not kernelmodes._rope_fits(x, cos, cos) and kernelmodes._rope_fits(x.float(), cos.float(), cos.float())
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_fused_norms_give_the_eager_norms_records_on_a_gpu(monkeypatch):

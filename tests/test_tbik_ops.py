@@ -98,6 +98,19 @@ def test_rms_norm_with_a_given_mean_gives_the_stock_ops_bits(dtype):
         tbik.float_squares(x.transpose(0, 1))
 
 
+def test_elementwise_kernels_refuse_float64():
+    """The kernels take values to fp32 and round to the output dtype: right for bf16/fp16/fp32,
+    wrong for float64, whose eager products stay in float64. So they refuse it by name."""
+    x = randn(4, 64, dtype=torch.float64)
+    w = torch.ones(64, dtype=torch.float64)
+    cos = torch.ones(1, 3, 8, dtype=torch.float64)
+    for call, op in ((lambda: tbik.rms_norm(x, w, 1e-6), "rms_norm"), (lambda: tbik.float_squares(x), "float_squares"),
+                     (lambda: tbik.silu_and_mul(x), "silu_and_mul"),
+                     (lambda: tbik.apply_rope(randn(1, 2, 3, 8, dtype=torch.float64), cos, cos), "apply_rope")):
+        with pytest.raises(TypeError, match=f"tbik.{op} on a GPU takes bfloat16, float16 or float32"):
+            call()
+
+
 def _bf16(a) -> torch.Tensor:
     return torch.from_numpy(a).to(torch.bfloat16)
 

@@ -48,3 +48,17 @@ def use_interpreter(on: bool = True) -> None:
         module = sys.modules.get(f"{__package__}.tl.{name}")
         if module is not None:
             importlib.reload(module)
+
+
+# The element-wise kernels (norm, SiLU, rotary) take each value to fp32 and round the result to
+# the output dtype: the eager ops' bits for these dtypes, not for float64 (whose products the
+# eager ops keep in float64).
+KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def check_kernel_dtypes(op: str, *tensors: torch.Tensor) -> None:
+    """TypeError where a GPU kernel would round a float64 (or non-float) operand to fp32."""
+    for t in tensors:
+        if t.dtype not in KERNEL_DTYPES:
+            raise TypeError(f"tbik.{op} on a GPU takes bfloat16, float16 or float32 tensors, not {t.dtype}")
+

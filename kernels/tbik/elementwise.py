@@ -20,6 +20,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"silu_and_mul needs an even last dim ([gate | up]), got {x.shape[-1]}")
     if backend.on_cpu(x):
         return cpu.silu_and_mul(x)
+    backend.check_kernel_dtypes("silu_and_mul", x)
     from .tl import elementwise
 
     return elementwise.silu_and_mul(x)
@@ -38,6 +39,7 @@ def rope(positions: torch.Tensor, x: torch.Tensor, inv_freq: torch.Tensor, head_
                          f"{positions.numel()} and {tuple(inv_freq.shape)}")
     if backend.on_cpu(x):
         return cpu.rope(positions, x, inv_freq, head_dim)
+    backend.check_kernel_dtypes("rope", x)
     from .tl import elementwise
 
     return elementwise.rope(positions, x, inv_freq.to(x.device), head_dim)
@@ -58,6 +60,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
                              f"unit-stride last dim, got {tuple(c.shape)} {c.dtype}")
     if backend.on_cpu(x):
         return cpu.apply_rope(x, cos, sin)
+    backend.check_kernel_dtypes("apply_rope", x, cos, sin)
     from .tl import elementwise
 
     return elementwise.apply_rope(x, cos, sin)

@@ -32,6 +32,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
                              f"{tuple(mean_sq.shape)} {mean_sq.dtype}" + (" with residual" if residual is not None else ""))
     if backend.on_cpu(x):
         return cpu.rms_norm(x, weight, eps, residual, mean_sq)
+    backend.check_kernel_dtypes("rms_norm", x, weight)
     from .tl import norm
 
     return norm.rms_norm(x, weight, eps, residual, mean_sq)
@@ -44,6 +45,7 @@ def float_squares(x: torch.Tensor) -> torch.Tensor:
         raise ValueError("float_squares needs a contiguous x (the eager ops' output follows x's layout)")
     if backend.on_cpu(x):
         return x.to(torch.float32).pow(2)
+    backend.check_kernel_dtypes("float_squares", x)
     from .tl import norm
 
     return norm.float_squares(x)

@@ -203,8 +203,8 @@ def _fused_norms(model: torch.nn.Module) -> list[tuple[torch.nn.Module, object]]
 
     def fused(module):
         def forward(hidden_states: torch.Tensor) -> torch.Tensor:
-            if type(hidden_states) is not torch.Tensor or type(module.weight.data) is not torch.Tensor:
-                return type(module).forward(module, hidden_states)  # a DTensor: its own ops
+            if not _kernel_dtypes(hidden_states, module.weight.data):
+                return type(module).forward(module, hidden_states)  # a DTensor or float64: its own ops
             return tbik.rms_norm(hidden_states, module.weight, module.variance_epsilon)
 
         return forward
@@ -223,8 +223,7 @@ def _stock_norms(model: torch.nn.Module) -> list[tuple[torch.nn.Module, object]]
 
     def fused(module):
         def forward(hidden_states: torch.Tensor) -> torch.Tensor:
-            if (type(hidden_states) is not torch.Tensor or type(module.weight.data) is not torch.Tensor
-                    or not hidden_states.is_contiguous()):
+            if not _kernel_dtypes(hidden_states, module.weight.data) or not hidden_states.is_contiguous():
                 return type(module).forward(module, hidden_states)
             mean_sq = tbik.float_squares(hidden_states).mean(-1, keepdim=True)
             return tbik.rms_norm(hidden_states, module.weight, module.variance_epsilon, mean_sq=mean_sq)
@@ -266,9 +265,18 @@ def _rope_modules(model: torch.nn.Module) -> list:
     return found
 
 
+def _kernel_dtypes(*tensors: torch.Tensor) -> bool:
+    """Whether tbik's element-wise kernels give these operands the eager ops' bits: plain tensors
+    (a DTensor runs its own ops) of a dtype the kernels compute exactly (not float64)."""
+    from tbik.backend import KERNEL_DTYPES
+
+    return all(type(t) is torch.Tensor and t.dtype in KERNEL_DTYPES for t in tensors)
+
+
 def _rope_fits(x, cos, sin) -> bool:
-    """The shapes tbik.apply_rope takes (anything else, a DTensor included, runs transformers' own)."""
-    if any(type(t) is not torch.Tensor for t in (x, cos, sin)) or x.dim() != 4 or x.stride(-1) != 1:
+    """The shapes tbik.apply_rope takes (anything else, a DTensor or float64 included, runs
+    transformers' own)."""
+    if not _kernel_dtypes(x, cos, sin) or x.dim() != 4 or x.stride(-1) != 1:
         return False
     return all(c.dim() == 3 and c.shape[1:] == x.shape[2:] and c.shape[0] in (1, x.shape[0]) and c.dtype == x.dtype
                and c.stride(-1) == 1 for c in (cos, sin))
