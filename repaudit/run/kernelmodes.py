@@ -198,18 +198,24 @@ def _is_llama_rms_norm(module: torch.nn.Module) -> bool:
     return same_code(type(module).forward, _LLAMA_RMS_NORM)
 
 
-def _fused_norms(model: torch.nn.Module) -> list[tuple[torch.nn.Module, object]]:
-    import tbik
+def _replaced_norms(model: torch.nn.Module, norm) -> list[tuple[torch.nn.Module, object]]:
+    """Every Llama-form RMSNorm, its forward norm(module, x), or the module's own where norm
+    declines (None) or the operands are a DTensor or float64."""
 
-    def fused(module):
+    def replaced(module):
         def forward(hidden_states: torch.Tensor) -> torch.Tensor:
-            if not _kernel_dtypes(hidden_states, module.weight.data):
-                return type(module).forward(module, hidden_states)  # a DTensor or float64: its own ops
-            return tbik.rms_norm(hidden_states, module.weight, module.variance_epsilon)
+            out = norm(module, hidden_states) if _kernel_dtypes(hidden_states, module.weight.data) else None
+            return type(module).forward(module, hidden_states) if out is None else out
 
         return forward
 
-    return [(m, fused(m)) for m in model.modules() if _is_llama_rms_norm(m)]
+    return [(m, replaced(m)) for m in model.modules() if _is_llama_rms_norm(m)]
+
+
+def _fused_norms(model: torch.nn.Module) -> list[tuple[torch.nn.Module, object]]:
+    import tbik
+
+    return _replaced_norms(model, lambda m, x: tbik.rms_norm(x, m.weight, m.variance_epsilon))
 
 
 # The stock mode's RMSNorm: the same eight kernels, of which only the mean reduces, and whose
@@ -221,16 +227,13 @@ def _fused_norms(model: torch.nn.Module) -> list[tuple[torch.nn.Module, object]]
 def _stock_norms(model: torch.nn.Module) -> list[tuple[torch.nn.Module, object]]:
     import tbik
 
-    def fused(module):
-        def forward(hidden_states: torch.Tensor) -> torch.Tensor:
-            if not _kernel_dtypes(hidden_states, module.weight.data) or not hidden_states.is_contiguous():
-                return type(module).forward(module, hidden_states)
-            mean_sq = tbik.float_squares(hidden_states).mean(-1, keepdim=True)
-            return tbik.rms_norm(hidden_states, module.weight, module.variance_epsilon, mean_sq=mean_sq)
+    def norm(module, x):
+        if not x.is_contiguous():  # the eager squares would keep x's strides, and the mean follow them
+            return None
+        mean_sq = tbik.float_squares(x).mean(-1, keepdim=True)
+        return tbik.rms_norm(x, module.weight, module.variance_epsilon, mean_sq=mean_sq)
 
-        return forward
-
-    return [(m, fused(m)) for m in model.modules() if _is_llama_rms_norm(m)]
+    return _replaced_norms(model, norm)
 
 
 # transformers' apply_rotary_pos_emb and rotate_half as Llama's modeling file (and every family
