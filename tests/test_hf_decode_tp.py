@@ -1,12 +1,13 @@
 """The static-cache decode and its CUDA graphs at TP=2 (engines/hf_decode.py).
 
 CPU (gloo): at TP=2 the static cache's eager steps give the dynamic cache's records bit for
-bit in the bi and tbik modes (as at TP=1, test_hf_decode.py), and tbik's TP=2 static records
-are TP=1's.
+bit in the bi and tbik modes (as at TP=1, test_hf_decode.py), tbik's TP=2 static records
+are TP=1's, and stock's fused norms and rotary give transformers' own records.
 
 GPU (two GPUs, marked, skipped elsewhere): at TP=2 each rank's graph, collectives included,
 replays the eager static steps bit for bit in every kernel mode, without falling back to eager
-steps, and tbik's TP=2 graph replays are TP=1's. Run by benchmarks/gpu_tp_decode.sh.
+steps, and tbik's TP=2 graph replays are TP=1's; stock's fused norms and rotary give
+transformers' own records at TP=2 too. Run by benchmarks/gpu_tp_decode.sh.
 """
 
 from __future__ import annotations
@@ -26,12 +27,15 @@ FIELDS = ("token_id", "pos", "logprob", "top1", "digest", "topk_ids", "topk_logp
 
 # Generates one left-padded batch whose rows end at different steps, once per (kernel mode,
 # decode), at TP = the launch's world size; rank 0 writes every record field to out/tp{N}.npz.
+# "stock-eager" is stock with transformers' own RMSNorm and rotary ops (stock fuses them).
 SCRIPT = textwrap.dedent('''
     import os, sys, warnings
+    from contextlib import ExitStack
+    from unittest import mock
     import numpy as np, torch, torch.distributed as dist
     from repaudit.engines import hf
     from repaudit.engines.base import Sequence
-    from repaudit.run.kernelmodes import kernel_mode
+    from repaudit.run import kernelmodes
     path, out, device, dtype, modes, decodes = sys.argv[1:7]
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if device == "cuda":
@@ -48,8 +52,12 @@ SCRIPT = textwrap.dedent('''
     for mode in modes.split(","):
         for decode in decodes.split(","):
             hfm.decode = decode
-            with warnings.catch_warnings(), kernel_mode(hfm, mode):
+            with warnings.catch_warnings(), ExitStack() as stack:
                 warnings.simplefilter("error")  # a refused capture falls back to eager steps with a warning
+                if mode == "stock-eager":  # stock with transformers' own norm and rotary ops, unfused
+                    for name in ("_stock_norms", "_rope_modules"):
+                        stack.enter_context(mock.patch.object(kernelmodes, name, lambda model: []))
+                stack.enter_context(kernelmodes.kernel_mode(hfm, "stock" if mode == "stock-eager" else mode))
                 rows, _ = hf.generate(hfm, batch, topk=3)
             for field in FIELDS:
                 arrays[f"{mode}/{decode}/{field}"] = np.concatenate([getattr(r, field) for r in rows])
@@ -91,7 +99,7 @@ def _same_bits(a: dict, b: dict, key_a: str, key_b: str) -> bool:
 
 @pytest.mark.slow
 def test_tp2_static_cache_records_are_the_dynamic_caches_and_tbik_keeps_tp1s_bits(tmp_path):
-    tp2 = _launch(tmp_path, 2, "cpu", "float32", "stock,bi,tbik", "dynamic,static", "builtin:tiny-qwen3")
+    tp2 = _launch(tmp_path, 2, "cpu", "float32", "stock,stock-eager,bi,tbik", "dynamic,static", "builtin:tiny-qwen3")
     tp1 = _launch(tmp_path, 1, "cpu", "float32", "tbik", "dynamic", "builtin:tiny-qwen3")
     assert str(tp2["picked"]) == "dynamic"  # off CUDA the engine keeps the dynamic cache
     assert len(tp2["tbik/static/logprob"]) == sum(10 - (i % 3) for i in range(5))
@@ -100,14 +108,18 @@ def test_tp2_static_cache_records_are_the_dynamic_caches_and_tbik_keeps_tp1s_bit
     assert _same_bits(tp2, tp1, "tbik/static", "tbik/dynamic")
     # Stock's static steps ran through TP=2 too (their bits are SDPA's over the masked slots).
     assert np.array_equal(tp2["stock/static/pos"], tp2["stock/dynamic/pos"])
+    for decode in ("dynamic", "static"):  # stock's fused norms and rotary on each rank's shards: transformers' bits
+        assert _same_bits(tp2, tp2, f"stock/{decode}", f"stock-eager/{decode}"), decode
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
 def test_tp2_graph_replays_are_the_eager_static_steps_bit_for_bit(tmp_path):
-    tp2 = _launch(tmp_path, 2, "cuda", "bfloat16", "stock,bi,tbik", "static,graphs", "builtin:qwen3-0.6b")
+    tp2 = _launch(tmp_path, 2, "cuda", "bfloat16", "stock,stock-eager,bi,tbik", "static,graphs", "builtin:qwen3-0.6b")
     tp1 = _launch(tmp_path, 1, "cuda", "bfloat16", "tbik", "graphs", "builtin:qwen3-0.6b")
     assert str(tp2["picked"]) == "graphs"
     for mode in ("stock", "bi", "tbik"):
         assert _same_bits(tp2, tp2, f"{mode}/static", f"{mode}/graphs"), f"{mode}: graph replays differ from eager steps"
     assert _same_bits(tp2, tp1, "tbik/graphs", "tbik/graphs"), "tbik: TP=2 differs from TP=1"
+    for decode in ("static", "graphs"):
+        assert _same_bits(tp2, tp2, f"stock/{decode}", f"stock-eager/{decode}"), f"{decode}: stock's fused ops moved bits"
