@@ -61,4 +61,3 @@ def check_kernel_dtypes(op: str, *tensors: torch.Tensor) -> None:
     for t in tensors:
         if t.dtype not in KERNEL_DTYPES:
             raise TypeError(f"tbik.{op} on a GPU takes bfloat16, float16 or float32 tensors, not {t.dtype}")
-
