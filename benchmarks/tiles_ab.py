@@ -32,9 +32,9 @@ import torch  # noqa: E402
 
 def _one_size_split(m, n, k_len, leaves, tiles, elem_bytes, device):
     """The SPLIT cost model that went with one tile size: least bytes per occupied SM."""
-    from tbik.tl import matmul as tm
+    from tbik.tl.launcher import num_sms
 
-    sms = tm._num_sms(device)
+    sms = num_sms(device)
     best, best_cost, split = 1, None, 1
     while split <= leaves:
         traffic = n * k_len * elem_bytes + (split > 1) * split * m * n * 4

@@ -13,6 +13,7 @@ kernel goes back to Triton's launch path for good, with a warning.
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import torch
@@ -23,6 +24,14 @@ try:
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
 except ImportError:  # a Triton without Gluon: tl/matmul_ws.py never runs, nothing to launch
     GluonTensorDescriptor = TensorDescriptor
+
+
+@functools.lru_cache(maxsize=None)
+def num_sms(device: torch.device) -> int:
+    """The device's SM count, which sizes the persistent kernels' grids."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # TRITON_INTERPRET on CPU: any small number; it only sets the persistent grid
 
 
 def _hooks_idle() -> bool:

@@ -43,7 +43,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .launcher import CachedKernel
+from .launcher import CachedKernel, num_sms
 
 # Per input dtype; BLOCK_K shrinks for chunks narrower than it (see _config). REG_LEVELS is how
 # many of the lowest tree levels keep their pending left sibling in registers (higher levels go
@@ -265,13 +265,6 @@ def _tree_matmul_kernel(
                 tl.store(ticket_ptr + tile, 0)  # re-arm the counter for the next launch
 
 
-@functools.lru_cache(maxsize=None)
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4  # TRITON_INTERPRET on CPU: any small number; it only sets the persistent grid
-
-
 _tickets: dict = {}
 
 
@@ -292,7 +285,7 @@ def _ticket_buffer(device: torch.device, n: int) -> torch.Tensor:
 def _config(dtype: torch.dtype, chunk_width: int, m: int, n: int, device: torch.device) -> dict:
     if dtype not in _CONFIGS:
         raise TypeError(f"tbik matmul supports bfloat16, float16 and float32, not {dtype}")
-    sms = _num_sms(device)
+    sms = num_sms(device)
     cfg = next((c for rows, c in _FEW_ROWS.get(dtype, ())
                 if m <= rows and triton.cdiv(m, c["BLOCK_M"]) * triton.cdiv(n, c["BLOCK_N"]) <= sms), _CONFIGS[dtype])
     return _sized(dtype, chunk_width, tuple(cfg.items()))
@@ -314,7 +307,7 @@ def _pick_split(leaves: int, tiles: int, device: torch.device) -> int:
     32, 64 and 256 rows with 64x128 tiles (reports/kernels/h200-small-m) it is the fastest
     SPLIT, or within 0.3 us of it, in 19 of 21 cells (1.0 us off in the worst); the fitted
     cost model before it split past one wave and lost up to 1.5x (gate, 32 and 64 rows)."""
-    split, sms = 1, _num_sms(device)
+    split, sms = 1, num_sms(device)
     while split * 2 <= leaves and tiles * split * 2 <= sms:
         split *= 2
     return split
@@ -365,7 +358,7 @@ def _plan(dtype, out_dtype, device, m, n, k_len, leaves, chunk_width, has_bias, 
     if unit_levels > cfg["REG_LEVELS"]:
         # Tree levels in scratch: the grid is persistent, so the scratch is per program and
         # stays small (and L2-resident) whatever M and N are.
-        num_progs = min(units, _num_sms(device) * _PROGRAMS_PER_SM)
+        num_progs = min(units, num_sms(device) * _PROGRAMS_PER_SM)
         scratch_numel = num_progs * scratch_slots * bm * bn
     even_k = chunk_width % cfg["BLOCK_K"] == 0 and chunk_width * leaves == k_len
     meta = dict(

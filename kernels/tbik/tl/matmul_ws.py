@@ -46,8 +46,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .launcher import CachedKernel
-from .matmul import _num_sms
+from .launcher import CachedKernel, num_sms
 
 BLOCK_M = 128
 BLOCK_N = 128
@@ -247,7 +246,7 @@ def eligible(dtype, out_dtype, device, m, n, k_len, leaves, chunk_width, tma_fit
     (CUDA graphs, one H100, reports/kernels/h100-ws/)."""
     return (dtype in (torch.bfloat16, torch.float16) and out_dtype in _GL_DTYPES and tma_fits and _hopper(device)
             and leaves in (1, 2, 4, 8) and k_len == leaves * chunk_width and chunk_width % BLOCK_K == 0
-            and m >= BLOCK_M and triton.cdiv(m, BLOCK_M) * triton.cdiv(n, BLOCK_N) >= _num_sms(device) // 2)
+            and m >= BLOCK_M and triton.cdiv(m, BLOCK_M) * triton.cdiv(n, BLOCK_N) >= num_sms(device) // 2)
 
 
 _kernel = CachedKernel(_tree_matmul_ws_kernel)
@@ -267,7 +266,7 @@ def launch(a, b, bias, out, k_len, leaves, chunk_width, tma_store=None):
                                 [out.stride(0) if tma_store else a.stride(0), 1], [BLOCK_M // 2, BLOCK_N],
                                 out_layout if tma_store else _out_layout(a.dtype))
     tiles = triton.cdiv(m, BLOCK_M) * triton.cdiv(n, BLOCK_N)
-    grid = (min(tiles, _num_sms(a.device)), )
+    grid = (min(tiles, num_sms(a.device)), )
     _kernel(grid, (a_desc, b_desc, out_desc, bias if bias is not None else out, out, m, n, out.stride(0),
                    chunk_width // BLOCK_K),
             dict(LEAVES=leaves, HAS_BIAS=bias is not None, GROUP_M=GROUP_M, STAGES=STAGES, TMA_STORE=tma_store,
