@@ -2,8 +2,9 @@
 
 Triton kernels whose results do not move with the tensor-parallel size or the batch size:
 the TBIK tree matmul and its per-rank partial, a tree all-reduce, and batch-invariant
-log-softmax, RMSNorm (also scaling by a mean of squares given), last-dim mean and causal attention (also over a paged KV cache);
-SiLU-and-mul and rotary embedding with the bits of transformers' eager ops in one kernel each;
+log-softmax, RMSNorm (or its scaling alone, given each row's mean of squares), last-dim mean
+and causal attention (also over a paged KV cache); SiLU-and-mul and rotary embedding with the
+bits of transformers' eager ops in one kernel each;
 plus a mode that routes aten's mm/addmm/_log_softmax/mean.dim to them. Depends on torch and
 triton only. See docs/tbik.md.
 
