@@ -360,10 +360,15 @@ def _eager_rms_norm(x, w, eps, residual=None):
     return w * (h * torch.rsqrt(tbik.mean_last_dim(h.pow(2), keepdim=True) + eps)).to(x.dtype), total
 
 
-@pytest.mark.parametrize("n", [64, 128, 200, 1024])
-def test_rms_norm_rows_per_program_do_not_move_bits(n, monkeypatch):
-    """The RMSNorm holds several narrow rows a program (16 per-head rows of 128); one row a
-    program gives the same bits for row counts on both sides of a program's rows, strided too."""
+@pytest.mark.parametrize("n", [64, 128, 200, 1024, 2048])
+@pytest.mark.parametrize("launch", [dict(_ROW_ELEMENTS=1), dict(_ONE_SLICE=False), dict(_WARPS=1), dict(_WARPS=8),
+                                    dict(_NARROW=4096, _ROW_ELEMENTS=4096),
+                                    dict(_ONE_SLICE=False, _WARPS=4, _ROW_ELEMENTS=2048)])
+def test_rms_norm_launch_shape_does_not_move_bits(n, launch, monkeypatch):
+    """How the RMSNorm is launched (rows a program, a row held in registers from its one read or
+    read twice, warps) leaves each row's additions in the same pairs and order: the same bits for
+    row counts on both sides of a program's rows, with a residual, and through a strided view. The
+    mean kernel's warps likewise. The last launch is the one the shipped rule replaced."""
     from tbik.tl import norm
 
     x, res = _spread(611, n, dtype=torch.bfloat16, seed=n), _spread(611, n, dtype=torch.bfloat16, seed=n + 1)
@@ -373,11 +378,14 @@ def test_rms_norm_rows_per_program_do_not_move_bits(n, monkeypatch):
     cases = [(x[:rows], w, None) for rows in (1, 2, 15, 16, 17, 611)] + [(x[:33], w, res[:33]),
                                                                       (qkv[:, :1024].view(37, 8, 128), w_head, None)]
     shipped = [tbik.rms_norm(a, weight, 1e-6, residual=r) for a, weight, r in cases]
-    monkeypatch.setattr(norm, "_ROW_ELEMENTS", 1)
+    mean = tbik.mean_last_dim(x.float(), keepdim=True, dtype=None)
+    for name, value in launch.items():
+        monkeypatch.setattr(norm, name, value)
     for (a, weight, r), got in zip(cases, shipped):
         want = tbik.rms_norm(a, weight, 1e-6, residual=r)
         for g, wt in zip(got if r is not None else [got], want if r is not None else [want]):
             assert_bits_equal(g, wt)
+    assert_bits_equal(tbik.mean_last_dim(x.float(), keepdim=True, dtype=None), mean)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -79,6 +79,22 @@ def test_rms_norm_batch_invariant_and_the_eager_ops_bits(dtype):
     assert_bits_equal(tbik.rms_norm(q, w[:128], 1e-6), _eager_rms_norm(q, w[:128], 1e-6)[0])
 
 
+def test_rms_norm_held_in_registers_or_read_twice_gives_the_same_bits(monkeypatch):
+    """A row that fits one slice is held in registers from its one read to its store; read twice
+    (the path of wider rows) it is added in the same pairs and order."""
+    from tbik.tl import norm
+
+    cases = [(randn(6, 1024, dtype=torch.bfloat16, seed=7), randn(6, 1024, dtype=torch.bfloat16, seed=8)),
+             (randn(5, 3, 128, dtype=torch.float32, seed=9), None)]
+    weights = [(1 + 0.1 * randn(x.shape[-1], seed=10)).to(x.dtype) for x, _ in cases]
+    held = [tbik.rms_norm(x, w, 1e-6, residual=r) for (x, r), w in zip(cases, weights)]
+    monkeypatch.setattr(norm, "_ONE_SLICE", False)
+    for ((x, r), w), got in zip(zip(cases, weights), held):
+        want = tbik.rms_norm(x, w, 1e-6, residual=r)
+        for g, wt in zip(got if r is not None else [got], want if r is not None else [want]):
+            assert_bits_equal(g, wt)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rms_norm_with_a_given_mean_gives_the_stock_ops_bits(dtype):
     """The stock mode's norm: tbik's squares, torch's own mean of them, then tbik's scaling, is

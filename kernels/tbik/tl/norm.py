@@ -23,17 +23,30 @@ import triton.language as tl
 from .launcher import CachedKernel
 
 _MAX_BLOCK = 1024
-# Elements a program of the RMSNorm holds at once (rows x BLOCK) where rows are at most
-# _NARROW wide (per-head q/k norms): 16 a thread at 4 warps. A wider row keeps a program to
-# itself: two 1,024-wide rows a program measured slower at decode row counts (norm_bench.py).
-_ROW_ELEMENTS = 2048
+# Rows at most _NARROW wide (per-head q/k norms) share a program, _ROW_ELEMENTS elements of them
+# (8 rows of 128) at 4 warps. A wider row keeps a program to itself, at one warp up to 2,048 wide
+# and two up to 4,096: the halving tree's levels across warps go through shared memory, each
+# behind a barrier, and one warp's shuffles won, 1.7-4.1x at 32-8,192 rows of 1,024
+# (norm_bench.py). Wider rows keep 4 warps, unmeasured.
+_ROW_ELEMENTS = 1024
 _NARROW = 256
+_WARPS: int | None = None  # None: the widths' rule above
+_ONE_SLICE = True  # a row that fits one slice stays in registers from its one read to its store
 _SQUARES_BLOCK = 1024
 
 
 def _block(n_cols: int) -> int:
     # Depends on the row length only (e.g. 128 for per-head q/k norms, 1024 for hidden 4096).
     return min(_MAX_BLOCK, triton.next_power_of_2(max(n_cols, 16)))
+
+
+def _warps(n_cols: int) -> int:
+    """A launch choice only: the order of a row's additions is BLOCK's, whatever the warps."""
+    if _WARPS is not None:
+        return _WARPS
+    if _block(n_cols) <= _NARROW:
+        return 4
+    return 1 if n_cols <= 2 * _MAX_BLOCK else 2 if n_cols <= 4 * _MAX_BLOCK else 4
 
 
 @triton.jit
@@ -67,37 +80,62 @@ def _halving_sum_rows(acc, ROWS: tl.constexpr, BLOCK: tl.constexpr):
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, mean_ptr, n_rows, rows_inner, n_cols, stride_xo,
                      stride_xi, stride_r, stride_o, stride_s, eps, HAS_RESIDUAL: tl.constexpr,
-                     MEAN_GIVEN: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+                     MEAN_GIVEN: tl.constexpr, ONE_SLICE: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
     # ROWS rows a program: a per-head q/k norm row is 128 wide, one element a thread with one row a
     # program. Rows of x may be two-level strided (vLLM's per-head q/k views of a fused qkv output).
     row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
     row_ok = row < n_rows
     x_row = x_ptr + (row // rows_inner) * stride_xo + (row % rows_inner) * stride_xi
     dtype = x_ptr.dtype.element_ty
-    if MEAN_GIVEN:  # each row's mean of squares came from elsewhere (torch's own reduction)
-        mean = tl.load(mean_ptr + row, mask=row_ok, other=1.0)
+    if ONE_SLICE:  # the row fits one slice: held in registers from its one read to its store
+        cols = tl.arange(0, BLOCK)
+        mask = row_ok[:, None] & (cols < n_cols)[None, :]
+        h = _row_slice(x_row, res_ptr, sum_ptr, row, cols, mask, stride_r, stride_s, HAS_RESIDUAL).to(tl.float32)
+        if MEAN_GIVEN:
+            mean = tl.load(mean_ptr + row, mask=row_ok, other=1.0)
+        else:  # 0 + h * h is h * h to the bit (a square is never -0), so this is the loop's sum
+            mean = _halving_sum_rows(h * h, ROWS, BLOCK) / n_cols
+        _store_scaled(h, tl.math.rsqrt(mean + eps), w_ptr, out_ptr, row, cols, n_cols, mask, stride_o, dtype)
     else:
-        acc = tl.zeros((ROWS, BLOCK), dtype=tl.float32)
+        if MEAN_GIVEN:  # each row's mean of squares came from elsewhere (torch's own reduction)
+            mean = tl.load(mean_ptr + row, mask=row_ok, other=1.0)
+        else:
+            acc = tl.zeros((ROWS, BLOCK), dtype=tl.float32)
+            for start in range(0, n_cols, BLOCK):
+                cols = start + tl.arange(0, BLOCK)
+                mask = row_ok[:, None] & (cols < n_cols)[None, :]
+                h = _row_slice(x_row, res_ptr, sum_ptr, row, cols, mask, stride_r, stride_s,
+                               HAS_RESIDUAL).to(tl.float32)
+                acc += h * h  # the square rounded, then added: h.pow(2), then the mean kernel's loop
+            mean = _halving_sum_rows(acc, ROWS, BLOCK) / n_cols
+        rstd = tl.math.rsqrt(mean + eps)
+        src = sum_ptr + row * stride_s if HAS_RESIDUAL else x_row
         for start in range(0, n_cols, BLOCK):
             cols = start + tl.arange(0, BLOCK)
             mask = row_ok[:, None] & (cols < n_cols)[None, :]
-            x = tl.load(x_row[:, None] + cols[None, :], mask=mask, other=0.0)
-            if HAS_RESIDUAL:
-                res = tl.load(res_ptr + row[:, None] * stride_r + cols[None, :], mask=mask, other=0.0)
-                x = (res.to(tl.float32) + x.to(tl.float32)).to(dtype)
-                tl.store(sum_ptr + row[:, None] * stride_s + cols[None, :], x, mask=mask)
-            h = x.to(tl.float32)
-            acc += h * h  # the square rounded, then added: h.pow(2), then the mean kernel's loop
-        mean = _halving_sum_rows(acc, ROWS, BLOCK) / n_cols
-    rstd = tl.math.rsqrt(mean + eps)
-    src = sum_ptr + row * stride_s if HAS_RESIDUAL else x_row
-    for start in range(0, n_cols, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        mask = row_ok[:, None] & (cols < n_cols)[None, :]
-        y = (tl.load(src[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32) * rstd[:, None]).to(dtype)
-        w = tl.load(w_ptr + cols, mask=cols < n_cols, other=0.0)
-        tl.store(out_ptr + row[:, None] * stride_o + cols[None, :],
-                 (w[None, :].to(tl.float32) * y.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=mask)
+            h = tl.load(src[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            _store_scaled(h, rstd, w_ptr, out_ptr, row, cols, n_cols, mask, stride_o, dtype)
+
+
+@triton.jit
+def _row_slice(x_row, res_ptr, sum_ptr, row, cols, mask, stride_r, stride_s, HAS_RESIDUAL: tl.constexpr):
+    """One slice of the rows as the norm sees it: x, or the decoder's `residual + x` rounded to
+    x's dtype, which is also written out as the next residual."""
+    x = tl.load(x_row[:, None] + cols[None, :], mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        res = tl.load(res_ptr + row[:, None] * stride_r + cols[None, :], mask=mask, other=0.0)
+        x = (res.to(tl.float32) + x.to(tl.float32)).to(x_row.dtype.element_ty)
+        tl.store(sum_ptr + row[:, None] * stride_s + cols[None, :], x, mask=mask)
+    return x
+
+
+@triton.jit
+def _store_scaled(h, rstd, w_ptr, out_ptr, row, cols, n_cols, mask, stride_o, dtype: tl.constexpr):
+    """`weight * (h * rstd).to(dtype)`, each product rounded where the eager ops round it."""
+    y = (h * rstd[:, None]).to(dtype)
+    w = tl.load(w_ptr + cols, mask=cols < n_cols, other=0.0)
+    tl.store(out_ptr + row[:, None] * stride_o + cols[None, :],
+             (w[None, :].to(tl.float32) * y.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -142,8 +180,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
         n_rows = out.numel() // n_cols
         block = _block(n_cols)
         per_program = min(max(1, _ROW_ELEMENTS // block), triton.next_power_of_2(n_rows)) if block <= _NARROW else 1
-        meta = dict(HAS_RESIDUAL=residual is not None, MEAN_GIVEN=mean_sq is not None, ROWS=per_program,
-                    BLOCK=block, num_warps=4, enable_fp_fusion=False)
+        meta = dict(HAS_RESIDUAL=residual is not None, MEAN_GIVEN=mean_sq is not None,
+                    ONE_SLICE=_ONE_SLICE and n_cols <= block, ROWS=per_program, BLOCK=block,
+                    num_warps=_warps(n_cols), enable_fp_fusion=False)
         mean = out if mean_sq is None else mean_sq.reshape(-1).contiguous()  # out: a pointer never read
         _rms_norm((triton.cdiv(n_rows, per_program),), (rows, res, weight.contiguous(), out, total, mean, n_rows,
                                                         rows.shape[1], n_cols, rows.stride(0), rows.stride(1),
@@ -165,7 +204,7 @@ def mean_last_dim(x: torch.Tensor, keepdim: bool, dtype: torch.dtype | None) -> 
     out = torch.empty(rows.shape[0], dtype=out_dtype, device=x.device)
     if rows.numel():
         acc = tl.float64 if torch.float64 in (x.dtype, out_dtype) else tl.float32
-        meta = dict(ACC=acc, BLOCK=_block(rows.shape[1]), num_warps=4)
+        meta = dict(ACC=acc, BLOCK=_block(rows.shape[1]), num_warps=_warps(rows.shape[1]))
         _mean((rows.shape[0],), (rows, out, rows.shape[1], rows.stride(0)), meta)
     elif rows.shape[0]:
         out.fill_(float("nan"))  # mean of nothing, as torch
