@@ -388,21 +388,21 @@ class Tracer:
             return None
         row_code = rows.per_row([code[t] for t in token_of_key])
         row_pos = rows.per_row([pos[t] for t in token_of_key])
-        module = np.repeat(np.arange(len(calls), dtype=np.int32), counts)
-        order = np.repeat(np.array([c.info.order for c in calls], dtype=np.int32), counts)
+        module = np.repeat(np.arange(len(calls), dtype=np.int32), counts)  # also the order: renumbered above
         sel = kept_rows(rows, disjoint)
         # One copy off the device per column.
         digest = to_host(digest).view(np.uint64)
         sample = to_host(sample).view(np.uint32)
         experts = [rows.experts(self._blocks, j) if c.info.routing else None for j, c in enumerate(calls)]
         if sel is not None:
-            row_code, row_pos, module, order = row_code[sel], row_pos[sel], module[sel], order[sel]
+            row_code, row_pos, module = row_code[sel], row_pos[sel], module[sel]
             digest, sample = digest[sel], sample[sel]
+        module = pa.array(module)
         table = pa.Table.from_arrays([
             pa.DictionaryArray.from_arrays(pa.array(row_code), pa.array(prompts, pa.string())),
             pa.array(row_pos),
-            pa.DictionaryArray.from_arrays(pa.array(module), pa.array(names, pa.string())),
-            pa.array(order),
+            pa.DictionaryArray.from_arrays(module, pa.array(names, pa.string())),
+            module,
             pa.array(digest),
             pa.FixedSizeListArray.from_arrays(pa.array(sample.reshape(-1)), SAMPLES),
             experts_column(counts, experts, sel),
