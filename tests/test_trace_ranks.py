@@ -5,6 +5,7 @@ that `repaudit locate` reports, instead of a "shard" summed across ranks."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -69,7 +70,8 @@ def traces(tmp_path_factory) -> Path:
     model = builtin.ensure("builtin:tiny-qwen3")
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                            str(out / "script.py"), str(model), str(out), PLANTED],
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})  # gloo on CPU, also where a GPU is
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     return out
 
@@ -182,7 +184,8 @@ def test_unequal_shards_are_digested_at_their_own_offsets(tmp_path: Path):
     (tmp_path / "script.py").write_text(UNEVEN)
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                            str(tmp_path / "script.py"), str(tmp_path / "model")],
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})  # gloo on CPU, also where a GPU is
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
     assert proc.returncode == 0 and line, proc.stdout[-2000:] + proc.stderr[-3000:]
     for name, r in json.loads(line[len("RESULT "):]).items():

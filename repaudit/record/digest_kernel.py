@@ -149,7 +149,7 @@ def digest_many(xs: list[torch.Tensor], rows: torch.Tensor, offsets: list[int], 
     The tables hold addresses, so a launch reads its tensors wherever they are, as long as they
     are not freed or rewritten before it runs. `table_for(host)` gives the device tensor that
     will hold a host table (int64 [tensors, 6]) when the launch runs; by default a copy made
-    now. Inside a CUDA graph capture a host-to-device copy cannot be captured, and a table
+    now (through page-locked memory, so the host does not wait for the device). Inside a CUDA graph capture a host-to-device copy cannot be captured, and a table
     allocated in the capture would share memory the graph's earlier kernels write on every
     replay: the caller then hands out space allocated before the capture and fills it after.
     """
@@ -170,7 +170,9 @@ def digest_many(xs: list[torch.Tensor], rows: torch.Tensor, offsets: list[int], 
                                  f"{tuple(xs[i].shape)} strides {xs[i].stride()}")
         host = torch.from_numpy(np.array([[xs[i].data_ptr(), xs[i].stride(0), xs[i].shape[1], offsets[i],
                                             picks[i].data_ptr(), owneds[i].data_ptr()] for i in idx], dtype=np.int64))
-        table = host.to(device) if table_for is None else table_for(host)
+        # Through page-locked memory: a pageable copy waits for the device to finish all it was given.
+        table = (host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)) \
+            if table_for is None else table_for(host)
         tables.append(table)
         digests = torch.empty((len(idx), n), dtype=torch.int64, device=device)
         samples = torch.empty((len(idx), n, samples_n), dtype=torch.int32, device=device)
