@@ -46,12 +46,8 @@ def main() -> None:
                     "cell per mode to this file")
     ap.add_argument("--ablate", action="store_true", help="then time traced cells with parts of the trace left out "
                     "(hooks that return at once; hooks without the digest kernel; no Tracer.finish): where the time goes")
-    ap.add_argument("--digest-at-hooks", action="store_true",
-                    help="digest every output at its hook, none held in eager forwards (A/B against the default)")
     ap.add_argument("--json", help="merge the rows into this JSON list (rows of the same device and batch are replaced)")
     args = ap.parse_args()
-    if args.digest_at_hooks:
-        Tracer.defer_eager = False
     torch.set_num_threads(1)
     path = builtin.ensure(args.model)
     tok = load_tokenizer(ModelRef(args.model, path, None), False)

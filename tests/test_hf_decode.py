@@ -428,47 +428,6 @@ def test_traced_graph_replays_are_the_eager_static_steps_trace_bit_for_bit(mode)
     assert graph_trace.num_rows == eager_trace.num_rows > 0 and graph_trace.equals(eager_trace)
 
 
-def test_held_eager_forwards_give_the_hooks_trace(tiny):
-    """The held path on the CPU (where --trace digests at the hook unless told otherwise): the
-    GPU test's comparison, with eager static decode steps."""
-    _held_against_hook_trace(tiny, "static", "stock")
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("mode", ["stock", "tbik"])
-def test_held_eager_forwards_give_the_hooks_trace_on_a_gpu(mode):
-    """--trace on a GPU holds an eager forward's outputs (score batches, prefills) and digests
-    them at its end: the trace of a score cell and of a generate cell (prefill held, decode steps
-    from graphs) is the trace with every output digested at its hook, bit for bit, and the check
-    of the first forward finds nothing changed in place (a warning is an error here)."""
-    path = builtin.ensure("builtin:qwen3-0.6b")
-    hfm = hf.load(str(path), dtype="bfloat16", device="cuda", tp=1, stop_ids=(), pad_id=0)
-    _held_against_hook_trace(hfm, "graphs", mode)
-
-
-def _held_against_hook_trace(hfm, decode: str, mode: str) -> None:
-    from repaudit.run.trace import Tracer
-
-    scored = [Sequence(s.prompt_id, s.prompt, tuple(range(5, 12)), None) for s in _batch()]
-    out = {}
-    for held in (False, True):
-        hfm.tracer = Tracer(hfm.model, 1)
-        hfm.tracer.defer_eager = held
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")
-            rows = _generate(hfm, decode, _batch(new=8), mode)
-            with kernel_mode(hfm, mode):
-                rows += hf.score(hfm, scored, topk=3)[0]
-        assert held == any(layout[-1] for c in hfm.tracer.calls.values() for layout in c.checked)  # eager-checked
-        hfm.tracer.detach()
-        out[held] = rows, hfm.tracer.finish()[0]
-        hfm.tracer = None
-    (hook_rows, hook_trace), (held_rows, held_trace) = out[False], out[True]
-    assert all(_bits_equal(a, b) for a, b in zip(hook_rows, held_rows))
-    assert held_trace.num_rows == hook_trace.num_rows > 0 and held_trace.equals(hook_trace)
-
-
 def test_a_refused_capture_leaves_the_cache_where_it_was_and_steps_eagerly(monkeypatch):
     """When the capture raises (a host sync inside the step), the warm-up's advance of the cache
     is undone and the step runs eagerly: the cache ends one step further, not two, and every

@@ -30,11 +30,6 @@ digests differ, or whose output's version counter moved, is digested at its hook
 where outputs have a version counter (not under inference mode) a change the warm-up did not
 see fails the capture.
 
-An eager forward on a GPU (a score batch, a prefill) holds its outputs too, and digests them
-at its end: a few launches a forward, not one an output. The first forward of each module and
-output layout checks them as a warm-up does (eager forwards and warm-ups check apart), keeping
-its digests at the hook; under inference mode a later forward's in-place change goes unseen.
-
 A mixture-of-experts layer's fused experts module is called with the router's choice
 (hidden, top_k_index, top_k_weights), whatever router made it: its pre-hook records, per real
 token, the chosen expert ids sorted ascending (the set, not the router's ranking) as the row
@@ -58,7 +53,7 @@ from ..record.tracefile import SAMPLES, SCHEMA, ModuleInfo
 from .experts import is_experts
 from .tplayouts import shard_span, sharded_output
 from .tracedigests import BITS, MAX_HELD_BYTES, MAX_HELD_ROWS, Held, differing, digest_held, digest_now, version
-from .tracerows import Block, Layout, Rows, experts_column, kept_rows, rank_disagreements, to_host, traced_tokens
+from .tracerows import Block, Layout, Rows, experts_column, kept_rows, to_host, traced_tokens
 
 @dataclass
 class _Calls:
@@ -83,10 +78,6 @@ class _Entry:
 
 class Tracer:
     """Attach to a model for one cell; the engine brackets each forward with begin()/end()."""
-
-    # Outside a graph's making, hold outputs too (mode "eager"): None, where they are on a GPU,
-    # whose launches the holding saves; True or False for every output.
-    defer_eager: bool | None = None
 
     def __init__(self, model: torch.nn.Module, tp: int):
         from .kernelmodes import tp_styles
@@ -166,7 +157,6 @@ class Tracer:
         a layout its module has not been checked in is digested at its hook too, and where the two
         digests differ it was changed in place after the hook: its module is then digested at the
         hook from then on."""
-        self._flush()  # an eager forward's outputs, if one was left unended
         self._defer = "warming"
         self._warmed = (0, None)
         try:
@@ -181,7 +171,6 @@ class Tracer:
         Enter before the capture begins and exit after it has ended: the launches' tables are
         allocated before (a table allocated inside would share memory that the graph's earlier
         kernels write on every replay), sized by the warm-up, and filled after."""
-        self._flush()
         count, device = self._warmed
         space = torch.empty((count, 6), dtype=torch.int64, device=device) if count else None
         used = 0
@@ -293,12 +282,10 @@ class Tracer:
             calls.owned = ((idx >= 0) & (idx < local)).long()
             calls.pick = idx.clamp(0, local - 1)
         # Features another rank owns count 0 in the samples; the all-reduce in finish() adds them in.
-        mode = self._defer or ("eager" if self.defer_eager or (self.defer_eager is None and whole.is_cuda) else None)
-        deferred = (mode is not None and not routing and not calls.in_place and rows.numel() <= MAX_HELD_ROWS)
-        # Eager forwards and graphs' warm-ups check their layouts apart: a graph's step is checked by its own.
-        layout = (whole.dtype, whole.shape[1], whole.stride(), mode == "eager")
+        deferred = (self._defer is not None and not routing and not calls.in_place and rows.numel() <= MAX_HELD_ROWS)
+        layout = (whole.dtype, whole.shape[1], whole.stride())
         # A warm-up checks each output layout once (a digest at the hook to compare); later ones only hold.
-        if deferred and (mode == "capturing" or layout in calls.checked):
+        if deferred and (self._defer == "capturing" or layout in calls.checked):
             entry = _Entry(calls, None, None)
         else:
             entry = _Entry(calls, *digest_now(whole, rows, offset, calls.pick, calls.owned))
@@ -312,31 +299,23 @@ class Tracer:
         return entry
 
     def _flush(self) -> None:
-        """Digest the held outputs in one launch per element width. Capturing, fill in their
-        entries; warming, compare those digested at the hook too; eager, both."""
+        """Digest the held outputs in one launch per element width. Warming, compare with their
+        digests at the hook; capturing, fill in their entries."""
         items, self._deferred, self._held = self._deferred, [], 0
         if not items:
             return
-        mode = self._defer or "eager"
         moved = [e for e, h in items if version(h.x) != h.version]
-        lost = [e for e in moved if e.digests is None]  # held only, since its layout was checked: no digest
-        if lost and mode != "warming":  # the check saw no such change: refuse the capture, or the run
-            where = "during the capture" if mode == "capturing" else "though an earlier forward's did not"
-            raise RuntimeError(f"--trace: the output of {lost[0].calls.info.name} changed in place after its hook "
-                               f"{where}")
+        if moved and self._defer == "capturing":  # the warm-up saw no such change: refuse the capture
+            raise RuntimeError(f"--trace: the output of {moved[0].calls.info.name} changed in place after "
+                               "its hook during the capture")
         answers = digest_held([h for _, h in items], self._table_for, self._tables)
-        if mode == "capturing":
+        if self._defer == "capturing":
             for (entry, _), (digests, samples) in zip(items, answers):
                 entry.digests, entry.samples = digests, samples
             return
+        count, _ = self._warmed
+        self._warmed = (count + len(items), items[0][1].x.device)
         checks = [(e, h, a) for (e, h), a in zip(items, answers) if e.digests is not None]
-        if mode == "warming":
-            count, _ = self._warmed
-            self._warmed = (count + len(items), items[0][1].x.device)
-        else:  # an eager forward keeps each output's digest at its hook where it took one
-            for (entry, _), (digests, samples) in zip(items, answers):
-                if entry.digests is None:
-                    entry.digests, entry.samples = digests, samples
         differ = differing([(e.digests, e.samples) for e, _, _ in checks], [a for _, _, a in checks])
         changed = {e.calls.info.name: e.calls for (e, _, _), bad in zip(checks, differ) if bad}
         changed.update({e.calls.info.name: e.calls for e in moved})
@@ -346,8 +325,7 @@ class Tracer:
             e.calls.checked.add(h.layout)
         if changed:
             warnings.warn(f"--trace: the outputs of {', '.join(sorted(changed))} change in place after their module "
-                          "returns; they are digested at the hook, a launch each in every forward and decode graph",
-                          stacklevel=2)
+                          "returns; they are digested at the hook, a launch each in every decode graph", stacklevel=2)
 
     def _classify(self, name: str, flat: torch.Tensor, inputs: list[Any], routing: bool = False) -> _Calls:
         base, _, port = name.partition(":")
@@ -405,7 +383,7 @@ class Tracer:
             digest[at], sample[at] = flat[:len(at)], flat[len(at):].reshape(-1, SAMPLES).to(torch.int32)
         replicated = [j for j, c in enumerate(calls) if not c.info.sharded]
         if self.tp > 1 and replicated:
-            rank_disagreements(calls, replicated, digest, bounds, module_rows, rows.token, prompts, code, pos)
+            self._find_rank_disagreements(calls, replicated, digest, bounds, module_rows, rows.token, prompts, code, pos)
         if self.rank != 0:
             return None
         row_code = rows.per_row([code[t] for t in token_of_key])
@@ -446,3 +424,21 @@ class Tracer:
             self._keys[k] = (self._keys[k][0][v], p[v])
             kept[k] = np.flatnonzero(v)
         return kept
+
+    def _find_rank_disagreements(self, calls, js, digest, bounds, module_rows, token, prompts, code, pos) -> None:
+        """Rows of replicated outputs whose bits differ between ranks. The trace keeps rank 0's
+        digests; this says where the others differ from them. The row's max and min over ranks
+        (two all-reduces, nothing gathered) differ exactly where some rank disagrees."""
+        at = module_rows(js)
+        mine = digest[torch.from_numpy(at).to(digest.device)]
+        high, low = mine.clone(), mine.clone()
+        dist.all_reduce(high, op=dist.ReduceOp.MAX)
+        dist.all_reduce(low, op=dist.ReduceOp.MIN)
+        differ = (high != low).cpu().numpy()
+        sizes = [bounds[j + 1] - bounds[j] for j in js]
+        for j, rows, first_row in zip(js, np.split(differ, np.cumsum(sizes)[:-1]), bounds[js]):
+            info = calls[j].info
+            info.ranks_disagree = int(rows.sum())
+            if info.ranks_disagree:
+                t = token[first_row + int(np.argmax(rows))]
+                info.first_disagreement = {"prompt_id": str(prompts[code[t]]), "pos": int(pos[t])}

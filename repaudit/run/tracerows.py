@@ -1,7 +1,6 @@
 """A trace's rows, from the tracer's blocks to the table: where each module call's rows sit,
 the order the table puts them in (module by module, each module's calls in the order they ran),
-the rows a module names twice, the routers' expert ids, the copy off the device, and the rows
-where ranks disagree on a replicated output."""
+the rows a module names twice, the routers' expert ids, and the copy off the device."""
 
 from __future__ import annotations
 
@@ -12,7 +11,6 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import torch
-import torch.distributed as dist
 
 from ..record.io import string_codes
 
@@ -217,22 +215,3 @@ def traced_tokens(keys: list[tuple[np.ndarray, np.ndarray]]) -> tuple[list[str],
     split = np.cumsum([len(q) for _, q in keys])[:-1]
     return (prompts, ((tokens // span).astype(np.int32), (tokens % span).astype(np.int32)),
             np.split(token, split), len(tokens) == len(pos))
-
-
-def rank_disagreements(calls, js, digest, bounds, module_rows, token, prompts, code, pos) -> None:
-    """Rows of replicated outputs whose bits differ between ranks. The trace keeps rank 0's
-    digests; this says where the others differ from them. The row's max and min over ranks
-    (two all-reduces, nothing gathered) differ exactly where some rank disagrees."""
-    at = module_rows(js)
-    mine = digest[torch.from_numpy(at).to(digest.device)]
-    high, low = mine.clone(), mine.clone()
-    dist.all_reduce(high, op=dist.ReduceOp.MAX)
-    dist.all_reduce(low, op=dist.ReduceOp.MIN)
-    differ = (high != low).cpu().numpy()
-    sizes = [bounds[j + 1] - bounds[j] for j in js]
-    for j, rows, first_row in zip(js, np.split(differ, np.cumsum(sizes)[:-1]), bounds[js]):
-        info = calls[j].info
-        info.ranks_disagree = int(rows.sum())
-        if info.ranks_disagree:
-            t = token[first_row + int(np.argmax(rows))]
-            info.first_disagreement = {"prompt_id": str(prompts[code[t]]), "pos": int(pos[t])}
