@@ -149,9 +149,11 @@ def digest_many(xs: list[torch.Tensor], rows: torch.Tensor, offsets: list[int], 
     The tables hold addresses, so a launch reads its tensors wherever they are, as long as they
     are not freed or rewritten before it runs. `table_for(host)` gives the device tensor that
     will hold a host table (int64 [tensors, 6]) when the launch runs; by default a copy made
-    now (through page-locked memory, so the host does not wait for the device). Inside a CUDA graph capture a host-to-device copy cannot be captured, and a table
-    allocated in the capture would share memory the graph's earlier kernels write on every
-    replay: the caller then hands out space allocated before the capture and fills it after.
+    now, through page-locked memory on a GPU (from pageable memory torch waits for the device
+    to finish all it was given). Inside a CUDA graph capture a host-to-device copy cannot be
+    captured, and a table allocated in the capture would share memory the graph's earlier
+    kernels write on every replay: the caller then hands out space allocated before the capture
+    and fills it after.
     """
     n = rows.numel()
     if n > TABLE_MAX_ROWS:
@@ -170,9 +172,12 @@ def digest_many(xs: list[torch.Tensor], rows: torch.Tensor, offsets: list[int], 
                                  f"{tuple(xs[i].shape)} strides {xs[i].stride()}")
         host = torch.from_numpy(np.array([[xs[i].data_ptr(), xs[i].stride(0), xs[i].shape[1], offsets[i],
                                             picks[i].data_ptr(), owneds[i].data_ptr()] for i in idx], dtype=np.int64))
-        # Through page-locked memory: a pageable copy waits for the device to finish all it was given.
-        table = (host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)) \
-            if table_for is None else table_for(host)
+        if table_for is not None:
+            table = table_for(host)
+        elif device.type == "cuda":
+            table = host.pin_memory().to(device, non_blocking=True)
+        else:
+            table = host.to(device)
         tables.append(table)
         digests = torch.empty((len(idx), n), dtype=torch.int64, device=device)
         samples = torch.empty((len(idx), n, samples_n), dtype=torch.int32, device=device)
