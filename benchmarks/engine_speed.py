@@ -103,18 +103,9 @@ def _plain_generate(model, batch, pad_id, new, cache):
 
 def _kernels(hfm, kernels: str):
     """kernel_mode, or for "stock-eager" the stock mode with its fused norms and rotary left out."""
-    from contextlib import ExitStack
-    from unittest import mock
+    from repaudit.run.kernelmodes import kernel_mode
 
-    from repaudit.run import kernelmodes
-
-    if kernels != "stock-eager":
-        return kernelmodes.kernel_mode(hfm, kernels)
-    stack = ExitStack()
-    for name in ("_stock_norms", "_rope_modules"):
-        stack.enter_context(mock.patch.object(kernelmodes, name, lambda model: []))
-    stack.enter_context(kernelmodes.kernel_mode(hfm, "stock"))
-    return stack
+    return kernel_mode(hfm, "stock", fused=False) if kernels == "stock-eager" else kernel_mode(hfm, kernels)
 
 
 def _timed(fn):

@@ -42,9 +42,9 @@ def _bits_equal(a, b) -> bool:
             and np.array_equal(a.topk_logprobs.view(np.uint32), b.topk_logprobs.view(np.uint32)))
 
 
-def _generate(hfm, decode: str, batch, mode: str):
+def _generate(hfm, decode: str, batch, mode: str, fused: bool = True):
     hfm.decode = decode
-    with kernel_mode(hfm, mode):
+    with kernel_mode(hfm, mode, fused):
         rows, _ = hf.generate(hfm, batch, topk=3)
     return rows
 
@@ -537,10 +537,13 @@ def _fused_norms_against_eager(hfm, monkeypatch, batch) -> None:
             m.setattr(tbik, "float_squares", lambda x, f=tbik.float_squares: squares.append(1) or f(x))
             with_fused = _generate(hfm, "static", batch, mode)
         assert bool(squares) == (mode == "stock"), "only the stock norms take torch's mean of tbik's squares"
+        fused_calls = []
         with monkeypatch.context() as m:
-            for name in ("_fused_norms", "_stock_norms", "_rope_modules"):
-                m.setattr(kernelmodes, name, lambda model: [])
-            eager = _generate(hfm, "static", batch, mode)
+            for name in ("rms_norm", "float_squares", "apply_rope"):
+                m.setattr(tbik, name,
+                          lambda *a, _n=name, _f=getattr(tbik, name), **k: fused_calls.append(_n) or _f(*a, **k))
+            eager = _generate(hfm, "static", batch, mode, fused=False)
+        assert fused_calls == [], f"{mode}: fused=False still ran {sorted(set(fused_calls))}"
         for a, b in zip(with_fused, eager):
             assert _bits_equal(a, b), f"{mode}: {a.prompt_id} differs between the fused ops and the eager ones"
 

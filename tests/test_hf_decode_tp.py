@@ -30,12 +30,10 @@ FIELDS = ("token_id", "pos", "logprob", "top1", "digest", "topk_ids", "topk_logp
 # "stock-eager" is stock with transformers' own RMSNorm and rotary ops (stock fuses them).
 SCRIPT = textwrap.dedent('''
     import os, sys, warnings
-    from contextlib import ExitStack
-    from unittest import mock
     import numpy as np, torch, torch.distributed as dist
     from repaudit.engines import hf
     from repaudit.engines.base import Sequence
-    from repaudit.run import kernelmodes
+    from repaudit.run.kernelmodes import kernel_mode
     path, out, device, dtype, modes, decodes = sys.argv[1:7]
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if device == "cuda":
@@ -52,12 +50,9 @@ SCRIPT = textwrap.dedent('''
     for mode in modes.split(","):
         for decode in decodes.split(","):
             hfm.decode = decode
-            with warnings.catch_warnings(), ExitStack() as stack:
+            eager = mode == "stock-eager"  # stock with transformers' own norm and rotary ops, unfused
+            with warnings.catch_warnings(), kernel_mode(hfm, "stock" if eager else mode, fused=not eager):
                 warnings.simplefilter("error")  # a refused capture falls back to eager steps with a warning
-                if mode == "stock-eager":  # stock with transformers' own norm and rotary ops, unfused
-                    for name in ("_stock_norms", "_rope_modules"):
-                        stack.enter_context(mock.patch.object(kernelmodes, name, lambda model: []))
-                stack.enter_context(kernelmodes.kernel_mode(hfm, "stock" if mode == "stock-eager" else mode))
                 rows, _ = hf.generate(hfm, batch, topk=3)
             for field in FIELDS:
                 arrays[f"{mode}/{decode}/{field}"] = np.concatenate([getattr(r, field) for r in rows])

@@ -20,7 +20,7 @@ whose plan uses colwise/rowwise linear layers is covered; anything else is refus
 
 from __future__ import annotations
 
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, nullcontext
 from typing import Iterator
 
 import torch
@@ -323,10 +323,13 @@ def _attention_impl(model: torch.nn.Module, name: str) -> Iterator[None]:
 
 
 @contextmanager
-def kernel_mode(hfm, mode: str) -> Iterator[None]:
-    """Run the body with the cell's kernels; the model is back to transformers' own afterwards."""
+def kernel_mode(hfm, mode: str, fused: bool = True) -> Iterator[None]:
+    """Run the body with the cell's kernels; the model is back to transformers' own afterwards.
+    fused=False leaves the RMSNorms and the rotary embedding to transformers' own ops (the
+    same bits, more kernels): what the fused ops are timed and tested against."""
+    rope = _fused_rope(hfm.model) if fused else nullcontext()
     if mode == "stock":
-        with replaced_forwards(_stock_norms(hfm.model)), _fused_rope(hfm.model):
+        with replaced_forwards(_stock_norms(hfm.model) if fused else []), rope:
             yield
         return
     if mode not in ("bi", "tbik"):
@@ -340,8 +343,8 @@ def kernel_mode(hfm, mode: str) -> Iterator[None]:
         stack.enter_context(tbik.batch_invariant_mode(hfm.device.type, num_chunks=chunks))
         stack.enter_context(_attention_impl(hfm.model, ATTENTION_NAME))
         stack.enter_context(_bounds_per_forward(hfm.model))
-        stack.enter_context(replaced_forwards(_fused_norms(hfm.model)))
-        stack.enter_context(_fused_rope(hfm.model))
+        stack.enter_context(replaced_forwards(_fused_norms(hfm.model) if fused else []))
+        stack.enter_context(rope)
         if mode == "tbik":
             stack.enter_context(_row_parallel_tree(hfm.model, hfm.tp))
         stack.enter_context(invariant_experts(hfm.model, num_chunks=chunks, tp=hfm.tp, tree=mode == "tbik"))
