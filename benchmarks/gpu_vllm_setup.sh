@@ -49,7 +49,7 @@ trainer_rollout_diffs() {
 # $OUT/speed-tp2.log. SPEED_BUDGET (default 420) seconds at most.
 speed_tp2() {
   timeout "${SPEED_BUDGET:-420}" python3 benchmarks/vllm_speed.py --model "$MODEL" --tp 2 --kernels stock,tbik \
-    --runs "${1:-3}" --json "$OUT/vllm_speed.json" > "$OUT/speed-tp2.log" 2>&1
+    --runs "${1:-3}" --steps --json "$OUT/vllm_speed.json" > "$OUT/speed-tp2.log" 2>&1
   echo "exit $?" >> "$OUT/speed-tp2.log"
   grep -E "run:|^exit" "$OUT/speed-tp2.log" | tail -n 12
 }

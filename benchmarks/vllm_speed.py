@@ -7,7 +7,10 @@ generated token, converted into record rows). Runs alternate, median of --runs.
 With stock first in --kernels, every later mode's row also gets `stock_plain_tok_s`,
 `ratio_vs_stock` (its cell against plain stock vLLM) and `plain_ratio_vs_stock` (plain vLLM in
 this mode against plain stock vLLM: what tbik through the plugin costs a user's generation).
-Every row has `prefill_only_s`: the prompts alone (one new token each, median of three).
+Every row has `prefill_only_s`: the prompts alone (one new token each, median of three), and
+`main_gc_s`: this process's seconds in garbage collection during each run. Each timed run starts
+from a collected heap (--no-collect: not). --steps adds `plain_step_s`, rank 0's seconds from each
+model step to the next in every plain run (benchmarks/step_times.py reads them).
 
 One process per kernel mode (vLLM reads its switches at start-up), so the script starts itself
 once per mode with --one and gathers the rows:
@@ -30,6 +33,7 @@ import argparse
 import json
 import os
 import platform
+import signal
 import statistics
 import subprocess
 import sys
@@ -86,18 +90,30 @@ def one(args) -> dict:
     vllm_engine.generate(llm, seqs, args.topk, stop_ids=())
     say("warm-up: cell")
     plain, with_lp, cell, capture_host, lp_outs, lp_before = [], [], [], [], None, None
+    gc_s = {"plain": [], "plain_logprobs": [], "cell": []}
+    plain_steps = []  # with --steps: rank 0's seconds from each model step to the next, per plain run
+    clock = _gc_clock()
     for _ in range(args.runs):
-        for params, runs in ((plain_params, plain), (lp_params, with_lp)):
+        for params, runs, label in ((plain_params, plain, "plain"), (lp_params, with_lp, "plain_logprobs")):
+            if args.steps and label == "plain":
+                llm.collective_rpc("repaudit_steps_begin")
+            _before_run(args, clock)
             t0 = time.perf_counter()
             outs = llm.generate(requests, params, use_tqdm=False)
             runs.append((time.perf_counter() - t0, sum(len(o.outputs[0].token_ids) for o in outs)))
+            gc_s[label].append(clock["s"])
+            if args.steps and label == "plain":
+                plain_steps.append(llm.collective_rpc("repaudit_steps_end")[0])
             if params is lp_params:
                 lp_before, lp_outs = (lp_outs if with_lp[:-1] else None), outs
+        _before_run(args, clock)
         t0 = time.perf_counter()
         rows, _ = vllm_engine.generate(llm, seqs, args.topk, stop_ids=())
         cell.append((time.perf_counter() - t0, _generated(rows)))
+        gc_s["cell"].append(clock["s"])
         capture_host.append(llm.collective_rpc("repaudit_capture_host_s")[0])
-        say(f"run: plain {plain[-1][0]:.2f}s, with logprobs {with_lp[-1][0]:.2f}s, cell {cell[-1][0]:.2f}s")
+        say(f"run: plain {plain[-1][0]:.2f}s, with logprobs {with_lp[-1][0]:.2f}s, cell {cell[-1][0]:.2f}s "
+            f"(this process's GC: {gc_s['plain'][-1]:.3f} / {gc_s['plain_logprobs'][-1]:.3f} / {gc_s['cell'][-1]:.3f}s)")
     tok_s = lambda runs: statistics.median(n / s for s, n in runs)  # noqa: E731
     lp_rows = _rows(lp_outs, seqs, args.topk)
     row = {"device": _device_name(args.tp), "engine": "vllm", "kernels": args.kernels, "tp": args.tp, "prompts": args.prompts,
@@ -106,6 +122,10 @@ def one(args) -> dict:
            "plain_runs_s": [s for s, _ in plain], "repaudit_runs_s": [s for s, _ in cell],
            # rank 0's host seconds in the capture's part of the sampling steps, per cell run
            "capture_host_s": capture_host,
+           # this process's seconds in garbage collection during each run (vLLM's output
+           # processing runs here; its engine core and workers freeze their own heaps)
+           "main_gc_s": gc_s, "collect_before_runs": not args.no_collect,
+           **({"plain_step_s": plain_steps} if args.steps else {}),
            # The cell's rows against the rows of vLLM's own logprobs for the same batch: tokens
            # whose token id, logprob and top-k ids and logprobs are all the same bits.
            "cell_rows_equal_vllm_logprobs": _same_rows(rows, lp_rows)}
@@ -131,6 +151,33 @@ def one(args) -> dict:
         _fixture(llm, prompts, args)
         _capture_fixture(llm, prompts, args)
     return row
+
+
+def _gc_clock() -> dict:
+    """Seconds this process spends in garbage collection from the last reset (clock["s"])."""
+    import gc
+
+    clock = {"s": 0.0, "t0": 0.0}
+
+    def tick(phase, info):
+        if phase == "start":
+            clock["t0"] = time.perf_counter()
+        else:
+            clock["s"] += time.perf_counter() - clock["t0"]
+
+    gc.callbacks.append(tick)
+    return clock
+
+
+def _before_run(args, clock: dict) -> None:
+    """Each timed run starts from a collected heap (unless --no-collect): this process keeps
+    the runs' outputs, and a full collection over them would otherwise land in whichever run
+    crosses the collector's threshold."""
+    import gc
+
+    if not args.no_collect:
+        gc.collect()
+    clock["s"] = 0.0
 
 
 # Kernel names to the op they serve, first match wins (tbik's Triton kernels, cuBLAS/CUTLASS,
@@ -271,6 +318,9 @@ def main() -> None:
     ap.add_argument("--profile", metavar="DIR", help="then profile one plain generation in every worker: GPU time per kernel, in DIR")
     ap.add_argument("--timeline", action="store_true",
                     help="with --profile: the plain generation's host ops too; rank 0's Chrome trace (gzipped) and its GPU idle gaps, in DIR")
+    ap.add_argument("--steps", action="store_true",
+                    help="record rank 0's time from each model step to the next in every plain run (plain_step_s)")
+    ap.add_argument("--no-collect", action="store_true", help="do not collect this process's garbage before each timed run")
     ap.add_argument("--stall", type=float, default=480, help="seconds after which a mode's process prints its stack and exits")
     ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -284,12 +334,17 @@ def main() -> None:
     for k in args.kernels.split(","):
         cmd = [sys.executable, __file__, "--one", "--model", args.model, "--tp", str(args.tp), "--kernels", k,
                "--prompts", str(args.prompts), "--new", str(args.new), "--topk", str(args.topk), "--runs", str(args.runs),
-               "--vllm-args", args.vllm_args, "--stall", str(args.stall)] + (["--fixture", args.fixture] if args.fixture and k == "stock" else []) \
+               "--vllm-args", args.vllm_args, "--stall", str(args.stall)] + (["--no-collect"] if args.no_collect else []) \
+            + (["--steps"] if args.steps else []) + (["--fixture", args.fixture] if args.fixture and k == "stock" else []) \
             + (["--profile", args.profile] if args.profile else []) + (["--timeline"] if args.timeline else [])
         # The child's output streams through (vLLM's progress bars left out), so a log shows how far a
         # mode got even when a time limit ends it.
         found = []
-        with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+        # Its own process group, ended with this process: a time limit that stops this script
+        # must not leave a mode's vLLM processes running on the GPUs under the next measurement.
+        with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              start_new_session=True) as proc:
+            signal.signal(signal.SIGTERM, lambda *_: (os.killpg(proc.pid, signal.SIGKILL), sys.exit(143)))
             for line in proc.stdout:
                 if line.startswith("ROW "):
                     found.append(json.loads(line[4:]))

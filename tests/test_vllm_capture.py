@@ -215,3 +215,23 @@ def test_a_real_capture_gives_vllms_own_logprobs_bit_for_bit():
         assert a.logprob.view(np.uint32).tolist() == b.logprob.view(np.uint32).tolist()
         assert a.topk_ids.tolist() == b.topk_ids.tolist() and a.top1.tolist() == b.top1.tolist()
         assert a.topk_logprobs.view(np.uint32).tolist() == b.topk_logprobs.view(np.uint32).tolist()
+
+
+def test_the_step_clock_times_each_model_step_and_gives_the_runner_its_own_method_back(monkeypatch):
+    class Runner:  # vLLM's model runner: the worker calls execute_model once a step
+        def __init__(self):
+            self.seen = []
+
+        def execute_model(self, scheduler_output):
+            self.seen.append(scheduler_output)
+            return f"out {scheduler_output}"
+
+    clock = iter([10.0, 10.5, 12.0, 12.25])
+    monkeypatch.setattr(vllm_capture, "time", NS(perf_counter=lambda: next(clock)))
+    w = vllm_capture.CaptureWorker()
+    w.model_runner = Runner()
+    w.repaudit_steps_begin()
+    assert [w.model_runner.execute_model(s) for s in ("a", "b", "c")] == ["out a", "out b", "out c"]
+    assert w.repaudit_steps_end() == [0.5, 1.5, 0.25]  # step to step, the last one to the end
+    assert w.model_runner.seen == ["a", "b", "c"]
+    assert "execute_model" not in vars(w.model_runner)  # the class's method again, untimed

@@ -129,6 +129,26 @@ class CaptureWorker:
         launches): what a cell adds to each step, where vLLM's step waits for the host."""
         return _last_host_s
 
+    def repaudit_steps_begin(self) -> None:
+        """Note the host's clock as each of this worker's model steps begins, until
+        repaudit_steps_end (benchmarks/vllm_speed.py --steps: whether a slow generation is
+        slow in every step or stalls in a few)."""
+        runner = self.model_runner
+        stamps = self._repaudit_stamps = []
+        step = type(runner).execute_model.__get__(runner)
+
+        def timed(*args, **kwargs):
+            stamps.append(time.perf_counter())
+            return step(*args, **kwargs)
+
+        runner.execute_model = timed
+
+    def repaudit_steps_end(self) -> list[float]:
+        """The seconds between the steps begun since repaudit_steps_begin, the last one's to now."""
+        del self.model_runner.execute_model  # the class's own again
+        stamps = self._repaudit_stamps + [time.perf_counter()]
+        return [b - a for a, b in zip(stamps, stamps[1:])]
+
     def repaudit_profile_begin(self, timeline: bool = False) -> None:
         """torch.profiler over this worker's CUDA kernels, CUDA-graph replays included, until
         repaudit_profile_end (benchmarks/vllm_speed.py --profile: where a step's GPU time goes);
