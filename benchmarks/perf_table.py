@@ -50,6 +50,8 @@ def rows() -> list[list[str]]:
     for r in vllm_rows:
         args = "".join(f", {k}={v}" for k, v in (r.get("vllm_args") or {}).items())
         note = f" ({r['note']})" if r.get("note") else ""
+        if r.get("interleaved"):
+            args += ", every mode loaded at once, runs taken in turn"
         out.append([f"vLLM cell / plain `LLM.generate`, {r['kernels']}, TP={r['tp']}, {r['prompts']} prompts x "
                     f"{r['new_tokens']} new{args}" + note,
                     "≥ 0.9x", f"{r['ratio']:.3f}x ({_tok(r['repaudit_tok_s'])} / {_tok(r['plain_tok_s'])} tok/s)",

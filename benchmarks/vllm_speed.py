@@ -1,8 +1,9 @@
 """A vLLM cell against plain vLLM, side by side in one process: the same LLM object, the same
 prompts, the same engine settings. `plain` is what a user runs (LLM.generate, greedy, no
 logprobs); `plain_logprobs` the same with the logprobs a cell asks for (top-k, flat), so what
-vLLM's own logprobs cost shows apart from repaudit's conversion; `cell` is repaudit's vLLM engine as `repaudit run` calls it (top-k logprobs of every
-generated token, converted into record rows). Runs alternate, median of --runs.
+vLLM's own logprobs cost shows apart from repaudit's conversion; `cell` is repaudit's vLLM
+engine as `repaudit run` calls it (top-k logprobs of every generated token, converted into
+record rows). Runs alternate, median of --runs.
 
 With stock first in --kernels, every later mode's row also gets `stock_plain_tok_s`,
 `ratio_vs_stock` (its cell against plain stock vLLM) and `plain_ratio_vs_stock` (plain vLLM in
@@ -13,9 +14,13 @@ from a collected heap (--no-collect: not). --steps adds `plain_step_s`, rank 0's
 model step to the next in every plain run (benchmarks/step_times.py reads them).
 
 One process per kernel mode (vLLM reads its switches at start-up), so the script starts itself
-once per mode with --one and gathers the rows:
+once per mode and gathers the rows. By default the modes run one after the other, each its runs
+in a row. With --interleave every mode's vLLM is loaded at once on the same GPUs (each with an
+equal share of GPU memory, `gpu_memory_utilization` in the row's vllm_args), and the modes take
+their runs in turn, so that what the machine does meanwhile falls on every mode alike:
 
     python3 benchmarks/vllm_speed.py --model DIR --tp 1 --kernels stock,bi,tbik --json reports/perf/vllm_speed.json
+    python3 benchmarks/vllm_speed.py --model DIR --tp 2 --kernels stock,tbik --interleave --steps --runs 7
 
 --fixture F also saves a few of the cell's real vLLM outputs in JSON with the rows repaudit made
 of them (tests/test_vllm_engine.py converts them again on CPU and compares bit for bit), and
@@ -30,6 +35,7 @@ and its GPU idle gaps (benchmarks/timeline.py) land in DIR.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -38,6 +44,7 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -60,7 +67,33 @@ def _device_name(tp: int) -> str:
     return f"{tp}x {names[0]}" if names else platform.node()
 
 
-def one(args) -> dict:
+@dataclass
+class Bench:
+    """One mode's loaded LLM, its workload and what its timed runs gave so far."""
+    llm: object
+    prompts: list
+    seqs: list
+    requests: list
+    plain_params: object
+    lp_params: object
+    clock: dict
+    start: float = field(default_factory=time.perf_counter)
+    plain: list = field(default_factory=list)  # (seconds, generated tokens) per run
+    with_lp: list = field(default_factory=list)
+    cell: list = field(default_factory=list)
+    capture_host: list = field(default_factory=list)
+    gc_s: dict = field(default_factory=lambda: {"plain": [], "plain_logprobs": [], "cell": []})
+    plain_steps: list = field(default_factory=list)  # with --steps: rank 0's seconds from each model step to the next, per plain run
+    lp_outs: list | None = None  # the last two runs with vLLM's logprobs
+    lp_before: list | None = None
+    rows: list | None = None  # the last cell's rows
+
+    def say(self, what: str) -> None:
+        print(f"{time.perf_counter() - self.start:7.1f}s {what}", flush=True)
+
+
+def start(args) -> Bench:
+    """This process's vLLM for args.kernels, loaded and warmed up on the workload."""
     from repaudit.engines import vllm_engine
 
     vllm_engine.scrub_launcher_env(os.environ)
@@ -75,62 +108,73 @@ def one(args) -> dict:
     llm = vllm_engine.load(vllm_engine.engine_args(model_path=args.model, tp=args.tp, dtype="bfloat16",
                                                    batch_size=args.prompts, max_len=512 + args.new + 1, topk=args.topk,
                                                    kernels=args.kernels, extra=json.loads(args.vllm_args)))
-    seqs = [Sequence(f"p{i}", tuple(p), None, args.new) for i, p in enumerate(prompts)]
-    plain_params = SamplingParams(temperature=0.0, max_tokens=args.new, detokenize=False)
-    # What the cell asks vLLM for, without repaudit's conversion: vLLM's own cost of logprobs.
-    lp_params = vllm_engine.sampling_params(args.new, args.topk, (), False)
-    requests = [{"prompt_token_ids": p} for p in prompts]
+    b = Bench(llm=llm, prompts=prompts, seqs=[Sequence(f"p{i}", tuple(p), None, args.new) for i, p in enumerate(prompts)],
+              requests=[{"prompt_token_ids": p} for p in prompts],
+              plain_params=SamplingParams(temperature=0.0, max_tokens=args.new, detokenize=False),
+              # What the cell asks vLLM for, without repaudit's conversion: vLLM's own cost of logprobs.
+              lp_params=vllm_engine.sampling_params(args.new, args.topk, (), False), clock=_gc_clock())
     # Warm-up of every path at full size: compilation, graph capture, allocator growth.
-    start = time.perf_counter()
-    say = lambda what: print(f"{time.perf_counter() - start:7.1f}s {what}", flush=True)  # noqa: E731
-    llm.generate(requests, plain_params, use_tqdm=False)
-    say("warm-up: plain")
-    llm.generate(requests, lp_params, use_tqdm=False)
-    say("warm-up: with logprobs")
-    vllm_engine.generate(llm, seqs, args.topk, stop_ids=())
-    say("warm-up: cell")
-    plain, with_lp, cell, capture_host, lp_outs, lp_before = [], [], [], [], None, None
-    gc_s = {"plain": [], "plain_logprobs": [], "cell": []}
-    plain_steps = []  # with --steps: rank 0's seconds from each model step to the next, per plain run
-    clock = _gc_clock()
-    for _ in range(args.runs):
-        for params, runs, label in ((plain_params, plain, "plain"), (lp_params, with_lp, "plain_logprobs")):
-            if args.steps and label == "plain":
-                llm.collective_rpc("repaudit_steps_begin")
-            _before_run(args, clock)
-            t0 = time.perf_counter()
-            outs = llm.generate(requests, params, use_tqdm=False)
-            runs.append((time.perf_counter() - t0, sum(len(o.outputs[0].token_ids) for o in outs)))
-            gc_s[label].append(clock["s"])
-            if args.steps and label == "plain":
-                plain_steps.append(llm.collective_rpc("repaudit_steps_end")[0])
-            if params is lp_params:
-                lp_before, lp_outs = (lp_outs if with_lp[:-1] else None), outs
-        _before_run(args, clock)
+    llm.generate(b.requests, b.plain_params, use_tqdm=False)
+    b.say("warm-up: plain")
+    llm.generate(b.requests, b.lp_params, use_tqdm=False)
+    b.say("warm-up: with logprobs")
+    vllm_engine.generate(llm, b.seqs, args.topk, stop_ids=())
+    b.say("warm-up: cell")
+    return b
+
+
+def run_once(b: Bench, args) -> None:
+    """One timed run of each: plain, with vLLM's logprobs, the cell."""
+    from repaudit.engines import vllm_engine
+
+    llm = b.llm
+    for params, runs, label in ((b.plain_params, b.plain, "plain"), (b.lp_params, b.with_lp, "plain_logprobs")):
+        if args.steps and label == "plain":
+            llm.collective_rpc("repaudit_steps_begin")
+        _before_run(args, b.clock)
         t0 = time.perf_counter()
-        rows, _ = vllm_engine.generate(llm, seqs, args.topk, stop_ids=())
-        cell.append((time.perf_counter() - t0, _generated(rows)))
-        gc_s["cell"].append(clock["s"])
-        capture_host.append(llm.collective_rpc("repaudit_capture_host_s")[0])
-        say(f"run: plain {plain[-1][0]:.2f}s, with logprobs {with_lp[-1][0]:.2f}s, cell {cell[-1][0]:.2f}s "
-            f"(this process's GC: {gc_s['plain'][-1]:.3f} / {gc_s['plain_logprobs'][-1]:.3f} / {gc_s['cell'][-1]:.3f}s)")
+        outs = llm.generate(b.requests, params, use_tqdm=False)
+        runs.append((time.perf_counter() - t0, sum(len(o.outputs[0].token_ids) for o in outs)))
+        b.gc_s[label].append(b.clock["s"])
+        if args.steps and label == "plain":
+            b.plain_steps.append(llm.collective_rpc("repaudit_steps_end")[0])
+        if params is b.lp_params:
+            b.lp_before, b.lp_outs = b.lp_outs, outs
+    _before_run(args, b.clock)
+    t0 = time.perf_counter()
+    b.rows, _ = vllm_engine.generate(llm, b.seqs, args.topk, stop_ids=())
+    b.cell.append((time.perf_counter() - t0, _generated(b.rows)))
+    b.gc_s["cell"].append(b.clock["s"])
+    b.capture_host.append(llm.collective_rpc("repaudit_capture_host_s")[0])
+    gc_s = b.gc_s
+    b.say(f"run: plain {b.plain[-1][0]:.2f}s, with logprobs {b.with_lp[-1][0]:.2f}s, cell {b.cell[-1][0]:.2f}s "
+          f"(this process's GC: {gc_s['plain'][-1]:.3f} / {gc_s['plain_logprobs'][-1]:.3f} / {gc_s['cell'][-1]:.3f}s)")
+
+
+def finish(b: Bench, args) -> dict:
+    """The mode's row from its runs, then the prompts alone, and --profile and --fixture's work."""
+    from vllm import SamplingParams
+
+    from repaudit.engines import vllm_engine
+
+    llm, requests, seqs = b.llm, b.requests, b.seqs
     tok_s = lambda runs: statistics.median(n / s for s, n in runs)  # noqa: E731
-    lp_rows = _rows(lp_outs, seqs, args.topk)
+    lp_rows = _rows(b.lp_outs, seqs, args.topk)
     row = {"device": _device_name(args.tp), "engine": "vllm", "kernels": args.kernels, "tp": args.tp, "prompts": args.prompts,
-           "new_tokens": args.new, "topk": args.topk, "plain_tok_s": tok_s(plain), "repaudit_tok_s": tok_s(cell),
-           "plain_logprobs_tok_s": tok_s(with_lp),
-           "plain_runs_s": [s for s, _ in plain], "repaudit_runs_s": [s for s, _ in cell],
+           "new_tokens": args.new, "topk": args.topk, "plain_tok_s": tok_s(b.plain), "repaudit_tok_s": tok_s(b.cell),
+           "plain_logprobs_tok_s": tok_s(b.with_lp),
+           "plain_runs_s": [s for s, _ in b.plain], "repaudit_runs_s": [s for s, _ in b.cell],
            # rank 0's host seconds in the capture's part of the sampling steps, per cell run
-           "capture_host_s": capture_host,
+           "capture_host_s": b.capture_host,
            # this process's seconds in garbage collection during each run (vLLM's output
            # processing runs here; its engine core and workers freeze their own heaps)
-           "main_gc_s": gc_s, "collect_before_runs": not args.no_collect,
-           **({"plain_step_s": plain_steps} if args.steps else {}),
+           "main_gc_s": b.gc_s, "collect_before_runs": not args.no_collect,
+           **({"plain_step_s": b.plain_steps} if args.steps else {}),
            # The cell's rows against the rows of vLLM's own logprobs for the same batch: tokens
            # whose token id, logprob and top-k ids and logprobs are all the same bits.
-           "cell_rows_equal_vllm_logprobs": _same_rows(rows, lp_rows)}
-    if lp_before is not None:  # the same share between two of vLLM's own runs: how far the batch itself moves the bits
-        row["vllm_logprobs_runs_equal"] = _same_rows(_rows(lp_before, seqs, args.topk), lp_rows)
+           "cell_rows_equal_vllm_logprobs": _same_rows(b.rows, lp_rows)}
+    if b.lp_before is not None:  # the same share between two of vLLM's own runs: how far the batch itself moves the bits
+        row["vllm_logprobs_runs_equal"] = _same_rows(_rows(b.lp_before, seqs, args.topk), lp_rows)
     row["ratio"] = row["repaudit_tok_s"] / row["plain_tok_s"]
     # The prompts alone (one new token each): the prefill steps, which run outside vLLM's CUDA
     # graphs once a step holds more tokens than its largest captured size.
@@ -144,13 +188,34 @@ def one(args) -> dict:
     if json.loads(args.vllm_args):
         row["vllm_args"] = json.loads(args.vllm_args)
     if args.profile:
-        _profile(llm, lambda: sum(len(o.outputs[0].token_ids) for o in llm.generate(requests, plain_params, use_tqdm=False)),
+        _profile(llm, lambda: sum(len(o.outputs[0].token_ids) for o in llm.generate(requests, b.plain_params, use_tqdm=False)),
                  args, "plain")
         _profile(llm, lambda: _generated(vllm_engine.generate(llm, seqs, args.topk, stop_ids=())[0]), args, "cell")
     if args.fixture:
-        _fixture(llm, prompts, args)
-        _capture_fixture(llm, prompts, args)
+        _fixture(llm, b.prompts, args)
+        _capture_fixture(llm, b.prompts, args)
     return row
+
+
+def one(args) -> dict:
+    b = start(args)
+    for _ in range(args.runs):
+        run_once(b, args)
+    return finish(b, args)
+
+
+def serve(args) -> None:
+    """--interleave's child: loads and warms up, says READY, then runs once per `run` line on
+    stdin (answering RAN) and ends with its row on `finish`."""
+    b = start(args)
+    print("READY", flush=True)
+    for line in sys.stdin:
+        if line.strip() == "run":
+            run_once(b, args)
+            print("RAN", flush=True)
+        elif line.strip() == "finish":
+            print("ROW " + json.dumps(finish(b, args)), flush=True)
+            return
 
 
 def _gc_clock() -> dict:
@@ -322,39 +387,36 @@ def main() -> None:
                     help="record rank 0's time from each model step to the next in every plain run (plain_step_s)")
     ap.add_argument("--no-collect", action="store_true", help="do not collect this process's garbage before each timed run")
     ap.add_argument("--stall", type=float, default=480, help="seconds after which a mode's process prints its stack and exits")
+    ap.add_argument("--interleave", action="store_true",
+                    help="load every mode at once (each with a share of GPU memory) and take their runs in turn")
     ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.one:
+    if args.one or args.serve:
         import faulthandler
 
-        faulthandler.dump_traceback_later(args.stall, exit=True)  # a hung mode shows where it stopped
-        print("ROW " + json.dumps(one(args)), flush=True)
+        if args.one:  # a hung mode shows where it stopped (a serving child waits on its parent)
+            faulthandler.dump_traceback_later(args.stall, exit=True)
+            print("ROW " + json.dumps(one(args)), flush=True)
+        else:
+            serve(args)
         return
+    modes = args.kernels.split(",")
+    children: list[subprocess.Popen] = []
+    # Every child in a process group of its own, ended with this process: a time limit that
+    # stops this script must not leave a mode's vLLM processes running on the GPUs under the
+    # next measurement.
+    signal.signal(signal.SIGTERM, lambda *_: (_kill(children), sys.exit(143)))
+    found = _interleaved(args, modes, children) if args.interleave else _one_by_one(args, modes, children)
     rows = []
-    for k in args.kernels.split(","):
-        cmd = [sys.executable, __file__, "--one", "--model", args.model, "--tp", str(args.tp), "--kernels", k,
-               "--prompts", str(args.prompts), "--new", str(args.new), "--topk", str(args.topk), "--runs", str(args.runs),
-               "--vllm-args", args.vllm_args, "--stall", str(args.stall)] + (["--no-collect"] if args.no_collect else []) \
-            + (["--steps"] if args.steps else []) + (["--fixture", args.fixture] if args.fixture and k == "stock" else []) \
-            + (["--profile", args.profile] if args.profile else []) + (["--timeline"] if args.timeline else [])
-        # The child's output streams through (vLLM's progress bars left out), so a log shows how far a
-        # mode got even when a time limit ends it.
-        found = []
-        # Its own process group, ended with this process: a time limit that stops this script
-        # must not leave a mode's vLLM processes running on the GPUs under the next measurement.
-        with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              start_new_session=True) as proc:
-            signal.signal(signal.SIGTERM, lambda *_: (os.killpg(proc.pid, signal.SIGKILL), sys.exit(143)))
-            for line in proc.stdout:
-                if line.startswith("ROW "):
-                    found.append(json.loads(line[4:]))
-                elif "it/s]" not in line:
-                    print(f"[{k}] {line}", end="", flush=True)
-        if not found:
-            print(f"== {k} failed (exit {proc.returncode})", flush=True)
+    for k in modes:
+        if k not in found:
+            print(f"== {k} failed", flush=True)
             continue
-        row = found[0]
+        row = found[k]
         row["command"] = " ".join(["python3", "benchmarks/vllm_speed.py", *sys.argv[1:]])
+        if args.interleave:
+            row["interleaved"] = True
         stock = next((r for r in rows if r["kernels"] == "stock"), None)
         if stock is not None:
             row["stock_plain_tok_s"] = stock["plain_tok_s"]
@@ -362,10 +424,95 @@ def main() -> None:
             row["plain_ratio_vs_stock"] = row["plain_tok_s"] / stock["plain_tok_s"]
         rows.append(row)
         print(json.dumps(row), flush=True)
-        if args.json:  # row by row: a mode that outlives its time limit keeps the ones before it
+        if args.json:
             path = Path(args.json)
             old = json.loads(path.read_text()) if path.exists() else []
             path.write_text(json.dumps(old + [row], indent=1))
+
+
+def child_cmd(args, kernels: str, role: str) -> list[str]:
+    """The command of one mode's process (`role`: --one or --serve)."""
+    extra = json.loads(args.vllm_args)
+    if args.interleave:  # every mode's vLLM on the same GPUs at once
+        extra.setdefault("gpu_memory_utilization", round(0.9 / len(args.kernels.split(",")), 2))
+    return [sys.executable, __file__, role, "--model", args.model, "--tp", str(args.tp), "--kernels", kernels,
+            "--prompts", str(args.prompts), "--new", str(args.new), "--topk", str(args.topk), "--runs", str(args.runs),
+            "--vllm-args", json.dumps(extra), "--stall", str(args.stall)] + (["--no-collect"] if args.no_collect else []) \
+        + (["--steps"] if args.steps else []) + (["--fixture", args.fixture] if args.fixture and kernels == "stock" else []) \
+        + (["--profile", args.profile] if args.profile else []) + (["--timeline"] if args.timeline else [])
+
+
+def _start(cmd: list[str], children: list, stdin=None) -> subprocess.Popen:
+    proc = subprocess.Popen(cmd, stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    children.append(proc)
+    return proc
+
+
+def _kill(children: list) -> None:
+    for proc in children:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _relay(proc: subprocess.Popen, kernels: str, until: str) -> str | None:
+    """The child's output, passed through (vLLM's progress bars left out) so that a log shows how
+    far a mode got even when a time limit ends it, up to the first line that starts with `until`:
+    that line, or None if the child ended first."""
+    for line in proc.stdout:
+        if line.startswith(until):
+            return line
+        if "it/s]" not in line:
+            print(f"[{kernels}] {line}", end="", flush=True)
+    return None
+
+
+def _one_by_one(args, modes: list[str], children: list) -> dict[str, dict]:
+    """Each mode in its own process, one after the other, its runs in a row."""
+    found = {}
+    for k in modes:
+        proc = _start(child_cmd(args, k, "--one"), children)
+        line = _relay(proc, k, "ROW ")
+        proc.wait()
+        if line is not None:
+            found[k] = json.loads(line[4:])
+    return found
+
+
+def _interleaved(args, modes: list[str], children: list) -> dict[str, dict]:
+    """Every mode's process loaded at once (one after the other, so each sizes its memory with
+    the others' already taken), then one run of each mode in turn, --runs times: the modes'
+    runs share whatever the machine does meanwhile."""
+    live = {}
+    for k in modes:
+        proc = _start(child_cmd(args, k, "--serve"), children, stdin=subprocess.PIPE)
+        if _relay(proc, k, "READY") is not None:
+            live[k] = proc
+    for _ in range(args.runs):
+        for k, proc in list(live.items()):
+            if _ask(proc, k, "run", "RAN") is None:
+                del live[k]
+    found = {}
+    for k, proc in live.items():
+        line = _ask(proc, k, "finish", "ROW ")
+        if line is not None:
+            found[k] = json.loads(line[4:])
+    for proc in children:
+        with contextlib.suppress(BrokenPipeError):
+            proc.stdin.close()
+        proc.wait()
+    return found
+
+
+def _ask(proc: subprocess.Popen, kernels: str, command: str, until: str) -> str | None:
+    """Send a serving child one command; its answer line, or None if it has ended."""
+    try:
+        proc.stdin.write(command + "\n")
+        proc.stdin.flush()
+    except BrokenPipeError:
+        return None
+    return _relay(proc, kernels, until)
+
 
 if __name__ == "__main__":
     main()
