@@ -77,7 +77,7 @@ class Bench:
     plain_params: object
     lp_params: object
     clock: dict
-    start: float = field(default_factory=time.perf_counter)
+    began: float = field(default_factory=time.perf_counter)
     plain: list = field(default_factory=list)  # (seconds, generated tokens) per run
     with_lp: list = field(default_factory=list)
     cell: list = field(default_factory=list)
@@ -89,7 +89,7 @@ class Bench:
     rows: list | None = None  # the last cell's rows
 
     def say(self, what: str) -> None:
-        print(f"{time.perf_counter() - self.start:7.1f}s {what}", flush=True)
+        print(f"{time.perf_counter() - self.began:7.1f}s {what}", flush=True)
 
 
 def start(args) -> Bench:
