@@ -24,6 +24,9 @@ def table(row: dict) -> list[str]:
              "", "| run s | steps | long steps: n, sum s | long steps, ms | other steps: sum s, median ms |",
              "|---|---|---|---|---|"]
     for run, steps in zip(row["plain_runs_s"], row["plain_step_s"]):
+        if not steps:  # a worker that timed no step (a model runner without execute_model)
+            lines.append(f"| {run:.3f} | 0 | | | |")
+            continue
         long, rest = split(steps)
         lines.append(f"| {run:.3f} | {len(steps)} | {len(long)}, {sum(long):.3f} | "
                      f"{', '.join(f'{s * 1e3:.0f}' for s in long)} | {sum(rest):.3f}, {statistics.median(rest) * 1e3:.2f} |")

@@ -19,11 +19,12 @@ def test_a_step_longer_than_twice_the_runs_median_is_a_long_step():
 
 
 def test_the_table_has_a_line_per_run_with_its_long_steps_in_ms(tmp_path, capsys, monkeypatch):
-    row = {"kernels": "tbik", "tp": 2, "plain_runs_s": [0.07, 0.1],
-           "plain_step_s": [[0.005, 0.045, 0.005, 0.005], [0.005, 0.07, 0.005, 0.006]]}
+    row = {"kernels": "tbik", "tp": 2, "plain_runs_s": [0.07, 0.1, 0.09],
+           "plain_step_s": [[0.005, 0.045, 0.005, 0.005], [0.005, 0.07, 0.005, 0.006], []]}
     path = tmp_path / "vllm_speed.json"
     path.write_text(json.dumps([row, {"kernels": "stock", "tp": 2}]))  # a row without --steps is left out
     monkeypatch.setattr("sys.argv", ["step_times.py", str(path)])
     step_times.main()
     lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("| 0.")]
-    assert lines == ["| 0.070 | 4 | 1, 0.045 | 45 | 0.015, 5.00 |", "| 0.100 | 4 | 1, 0.070 | 70 | 0.016, 5.00 |"]
+    assert lines == ["| 0.070 | 4 | 1, 0.045 | 45 | 0.015, 5.00 |", "| 0.100 | 4 | 1, 0.070 | 70 | 0.016, 5.00 |",
+                     "| 0.090 | 0 | | | |"]  # a run whose worker timed no step
