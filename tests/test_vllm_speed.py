@@ -141,3 +141,57 @@ def _running(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except (FileNotFoundError, ProcessLookupError):
         return False
+
+
+def test_a_modes_runs_make_its_row(monkeypatch):
+    # The child's bookkeeping around a stand-in LLM: each run's plain, logprobs and cell in order,
+    # the step clock around the plain runs, the cell compared with the last logprob run and the
+    # last two logprob runs with each other.
+    import types
+    from types import SimpleNamespace as NS
+
+    from repaudit.engines import vllm_engine
+
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(SamplingParams=lambda **kw: NS(**kw)))
+    ticks = iter(range(1000))
+    monkeypatch.setattr(vllm_speed, "time", NS(perf_counter=lambda: float(next(ticks))))
+
+    class LLM:
+        def __init__(self):
+            self.calls, self.logprob_outs = [], []
+
+        def generate(self, requests, params, use_tqdm):
+            outs = [NS(outputs=[NS(token_ids=[1, 2])]) for _ in requests]
+            self.calls.append(params.max_tokens if isinstance(params, NS) else params)
+            if params == "logprobs":
+                self.logprob_outs.append(outs)
+            return outs
+
+        def collective_rpc(self, method):
+            self.calls.append(method)
+            return [[0.5, 0.25]] if method == "repaudit_steps_end" else [0.125]
+
+    llm = LLM()
+    monkeypatch.setattr(vllm_engine, "generate", lambda llm, seqs, topk, stop_ids: (f"cell rows {len(llm.calls)}", None))
+    monkeypatch.setattr(vllm_speed, "_generated", lambda rows: 4)
+    monkeypatch.setattr(vllm_speed, "_rows", lambda outs, seqs, topk: id(outs))
+    compared = []
+    monkeypatch.setattr(vllm_speed, "_same_rows", lambda a, b: compared.append((a, b)) or 1.0)
+    monkeypatch.setattr(vllm_speed, "_device_name", lambda tp: "gpu")
+    args = NS(steps=True, no_collect=True, topk=5, tp=2, kernels="tbik", prompts=2, new=2, vllm_args="{}",
+              profile=None, fixture=None)
+    b = vllm_speed.Bench(llm=llm, prompts=[[1], [2]], seqs=[], requests=[{}, {}], plain_params=NS(max_tokens=2),
+                         lp_params="logprobs", clock={"s": 0.0})
+    for _ in range(2):
+        vllm_speed.run_once(b, args)
+    row = vllm_speed.finish(b, args)
+    one_run = ["repaudit_steps_begin", 2, "repaudit_steps_end", "logprobs", "repaudit_capture_host_s"]
+    assert llm.calls[:10] == one_run * 2
+    assert llm.calls[10:] == [1, 1, 1]  # then the prompts alone, three times
+    assert row["plain_step_s"] == [[0.5, 0.25], [0.5, 0.25]]
+    assert row["capture_host_s"] == [0.125, 0.125]
+    first, last = (id(o) for o in llm.logprob_outs)
+    assert compared == [("cell rows 9", last), (first, last)]
+    assert row["plain_runs_s"] == row["repaudit_runs_s"] == [1.0, 1.0]  # each run one tick of the stand-in clock
+    assert row["plain_tok_s"] == 4.0 and row["ratio"] == 1.0 and row["prefill_only_s"] == 1.0
+    assert row["main_gc_s"] == {"plain": [0.0, 0.0], "plain_logprobs": [0.0, 0.0], "cell": [0.0, 0.0]}
