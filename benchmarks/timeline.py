@@ -1,7 +1,7 @@
 """Where a GPU waits: the idle gaps of one worker's profiled timeline, and what its host was doing.
 
 Reads a Chrome trace written by torch.profiler with CPU and CUDA activities (vllm_speed.py
---profile DIR --timeline writes rank 0's). The GPU's busy time is the union of its kernels,
+--profile DIR --timeline writes one a rank). The GPU's busy time is the union of its kernels,
 copies and sets on every stream; a gap is a stretch between two busy spans. Each gap is charged
 to the host op that launched the GPU work ending it (the runtime call holding the same
 correlation id, and the op stacks around that call on its thread), and the host ops running
@@ -27,7 +27,8 @@ _RUNTIME = {"cuda_runtime", "cuda_driver"}
 _SIZES = ((10, "<10us"), (100, "10-100us"), (1000, "0.1-1ms"), (float("inf"), ">=1ms"))
 
 
-def _load(path: str) -> list[dict]:
+def load(path: str) -> list[dict]:
+    """A Chrome trace's complete events (plain or gzipped JSON)."""
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rt") as f:
         return [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X" and "dur" in e]
@@ -191,7 +192,7 @@ def _group(events) -> dict:
 
 def summarise(trace: str, out: Path, wall_s: float | None = None) -> dict:
     """analyse() of `trace`, written to `out` (JSON); the trace is then gzipped beside itself."""
-    result = analyse(_load(trace))
+    result = analyse(load(trace))
     if wall_s is not None:
         result["wall_us"] = round(wall_s * 1e6, 1)
     out.write_text(json.dumps(result, indent=1))
@@ -213,7 +214,7 @@ def main() -> None:
     ap.add_argument("--steps-by", metavar="EVENT", help="also each step's span and GPU time, a step running from one "
                     "host event of this name to the next")
     args = ap.parse_args()
-    events = _load(args.trace)
+    events = load(args.trace)
     result = analyse(events)
     if args.steps_by:
         result["steps_by"] = args.steps_by

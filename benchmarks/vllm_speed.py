@@ -28,7 +28,7 @@ beside F, vllm_capture.json: the same requests with vLLM's own logprobs and capt
 workers (tests/test_vllm_capture.py checks that both give the same rows).
 
 --profile DIR then profiles one plain generation and one cell in every worker (GPU time per
-kernel); with --timeline the plain one records the host's ops too, and rank 0's Chrome trace
+kernel); with --timeline the plain one records the host's ops too, and every rank's Chrome trace
 and its GPU idle gaps (benchmarks/timeline.py) land in DIR.
 """
 
@@ -282,7 +282,8 @@ def _profile(llm, run, args, label: str) -> None:
     if trace:
         import timeline as gaps  # benchmarks/timeline.py, beside this file
 
-        gaps.summarise(trace.format(rank=0), Path(args.profile) / f"gaps-{args.kernels}-tp{args.tp}.json", wall)
+        for rank in range(args.tp):
+            gaps.summarise(trace.format(rank=rank), Path(args.profile) / f"gaps-{args.kernels}-tp{args.tp}-rank{rank}.json", wall)
     summary = []
     for rank, kernels in enumerate(ranks):
         kinds: dict[str, float] = {}
@@ -382,7 +383,7 @@ def main() -> None:
     ap.add_argument("--fixture")
     ap.add_argument("--profile", metavar="DIR", help="then profile one plain generation in every worker: GPU time per kernel, in DIR")
     ap.add_argument("--timeline", action="store_true",
-                    help="with --profile: the plain generation's host ops too; rank 0's Chrome trace (gzipped) and its GPU idle gaps, in DIR")
+                    help="with --profile: the plain generation's host ops too; every rank's Chrome trace (gzipped) and GPU idle gaps, in DIR")
     ap.add_argument("--steps", action="store_true",
                     help="record rank 0's time from each model step to the next in every plain run (plain_step_s)")
     ap.add_argument("--no-collect", action="store_true", help="do not collect this process's garbage before each timed run")

@@ -55,7 +55,7 @@ def test_steps_run_from_one_marker_to_the_next_with_their_gpu_time(tmp_path):
     path = tmp_path / "trace.json.gz"
     with gzip.open(path, "wt") as f:
         json.dump({"traceEvents": _trace()}, f)
-    events = timeline._load(str(path))
+    events = timeline.load(str(path))
     # Two steps: from the marker at 0 to the one at 90, k1 (the copy inside it), k2, k3; then the
     # graph replay's k4.
     assert timeline.steps(events, "step") == [{"span_us": 90, "gpu_busy_us": 40, "kernels": 3, "graph_replay": False},

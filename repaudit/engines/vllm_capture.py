@@ -163,14 +163,16 @@ class CaptureWorker:
 
     def repaudit_profile_end(self, trace: str | None = None) -> list[dict]:
         """This worker's kernels, most GPU time first: name, launches, total microseconds. With
-        `trace` (a path with {rank} in it), rank 0 also writes the profile as a Chrome trace."""
+        `trace` (a path with {rank} in it), the worker also writes the profile there as a Chrome
+        trace: every rank's, since at TP > 1 a collective's time on one rank is mostly its wait for
+        the others, which only their own timelines explain."""
         import torch
 
         prof, self._repaudit_profiler = self._repaudit_profiler, None
         torch.cuda.synchronize()
         prof.__exit__(None, None, None)
-        if trace and getattr(self, "rank", 0) == 0:
-            prof.export_chrome_trace(trace.format(rank=0))
+        if trace:
+            prof.export_chrome_trace(trace.format(rank=getattr(self, "rank", 0)))
         kernels = [{"name": e.key, "count": e.count, "us": e.self_device_time_total}
                    for e in prof.key_averages() if e.self_device_time_total > 0]
         return sorted(kernels, key=lambda k: -k["us"])
