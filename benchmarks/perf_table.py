@@ -48,7 +48,7 @@ def rows() -> list[list[str]]:
                             f"{r['repaudit_tok_s'] / v['plain_tok_s']:.3f}x ({_tok(r['repaudit_tok_s'])} / "
                             f"{_tok(v['plain_tok_s'])} tok/s)", r["device"], f"{r['command']}; {v['command']}"])
     for r in vllm_rows:
-        args = "".join(f", {k}={v}" for k, v in (r.get("vllm_args") or {}).items())
+        args = "".join(f", {k}={_arg_text(v)}" for k, v in (r.get("vllm_args") or {}).items())
         note = f" ({r['note']})" if r.get("note") else ""
         if r.get("interleaved"):
             args += ", every mode loaded at once, runs taken in turn"
@@ -78,6 +78,16 @@ def rows() -> list[list[str]]:
                     r["device"], r["command"]])
     out += _kernel_rows()
     return out
+
+
+def _arg_text(value) -> str:
+    """An engine argument as the table shows it: a long list (CUDA-graph capture sizes) as its ends
+    and its length."""
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {_arg_text(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, list) and len(value) > 6:
+        return f"[{value[0]}, {value[1]}, ..., {value[-1]}] ({len(value)} values)"
+    return str(value)
 
 
 def vllm_peers(engine_row: dict, vllm_rows: list[dict]) -> list[tuple[dict, str]]:

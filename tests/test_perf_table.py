@@ -60,3 +60,10 @@ def test_every_measured_row_reaches_the_table_with_its_ratio_and_command():
                    and row[3] == r["device"] and row[4] == r["command"] for row in rows), r["message"]
         expected += 1
     assert len(rows) == expected
+
+
+def test_a_long_engine_argument_shows_its_ends_and_length():
+    sizes = [1, 2, 4, 8, 16, 512, 16384]
+    assert perf_table._arg_text({"cudagraph_capture_sizes": sizes}) == "{cudagraph_capture_sizes: [1, 2, ..., 16384] (7 values)}"
+    assert perf_table._arg_text([1, 2, 4]) == "[1, 2, 4]"
+    assert perf_table._arg_text(0.45) == "0.45"
