@@ -19,14 +19,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import timeline  # noqa: E402  (benchmarks/timeline.py)
+import vllm_speed  # noqa: E402  (benchmarks/vllm_speed.py: its kernel kinds)
 
-COLLECTIVE = ("nccl", "cross_device_reduce", "allreduce", "allgather", "reducescatter")
 HOST_PREFIXES = ("repaudit::", "vllm::")
 
 
 def is_collective(kernel: str) -> bool:
-    low = kernel.lower().replace("_", "")
-    return any(k.replace("_", "") in low for k in COLLECTIVE)
+    return vllm_speed.kernel_kind(kernel) == vllm_speed.COLLECTIVES
 
 
 def rank_summary(events: list[dict], prefixes: tuple[str, ...] = HOST_PREFIXES) -> dict:

@@ -247,7 +247,8 @@ def _before_run(args, clock: dict) -> None:
 
 # Kernel names to the op they serve, first match wins (tbik's Triton kernels, cuBLAS/CUTLASS,
 # FlashAttention (a CUTLASS kernel too, hence before matmul), NCCL, vLLM's and Inductor's own).
-_KINDS = (("all-reduce / all-gather", ("nccl", "allreduce", "all_reduce", "cross_device")),
+COLLECTIVES = "all-reduce / all-gather"
+_KINDS = ((COLLECTIVES, ("nccl", "allreduce", "all_reduce", "cross_device")),
           ("tree sum", ("_tree_sum",)),
           ("attention", ("attention", "flash", "fmha", "reshape_and_cache")),
           ("matmul", ("_tree_matmul", "gemm", "cutlass", "nvjet", "sm90_xmma", "cublas", "splitk")),
@@ -256,7 +257,8 @@ _KINDS = (("all-reduce / all-gather", ("nccl", "allreduce", "all_reduce", "cross
           ("sampling / top-k", ("topk", "argmax", "sort", "sampl", "gumbel")))
 
 
-def _kind(name: str) -> str:
+def kernel_kind(name: str) -> str:
+    """The op kind a kernel serves, by its name (_KINDS)."""
     low = name.lower()
     return next((kind for kind, keys in _KINDS if any(k in low for k in keys)), "other (elementwise, copies)")
 
@@ -288,7 +290,7 @@ def _profile(llm, run, args, label: str) -> None:
     for rank, kernels in enumerate(ranks):
         kinds: dict[str, float] = {}
         for k in kernels:
-            kind = _kind(k["name"])
+            kind = kernel_kind(k["name"])
             kinds[kind] = kinds.get(kind, 0.0) + k["us"]
         summary.append({"rank": rank, "gpu_us": sum(kinds.values()),
                         "by_kind_us": dict(sorted(kinds.items(), key=lambda kv: -kv[1])), "kernels": kernels[:60]})
