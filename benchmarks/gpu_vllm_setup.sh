@@ -48,10 +48,10 @@ trainer_rollout_diffs() {
 # random prompts of 64-512 tokens, 128 new, median of RUNS, default 3) into $OUT/vllm_speed.json and
 # $OUT/speed-tp2.log. SPEED_BUDGET (default 420) seconds at most. INTERLEAVE=1: both modes loaded at
 # once, their runs taken in turn (--interleave). VLLM_ARGS=FILE: a JSON object of engine arguments
-# for both modes (--vllm-args).
+# for both modes (--vllm-args). PROFILE=DIR: then one profiled generation per mode (--profile DIR).
 speed_tp2() {
   timeout "${SPEED_BUDGET:-420}" python3 benchmarks/vllm_speed.py --model "$MODEL" --tp 2 --kernels stock,tbik \
-    --runs "${1:-3}" --steps ${INTERLEAVE:+--interleave} --vllm-args "$(if [ -n "${VLLM_ARGS:-}" ]; then cat "$VLLM_ARGS"; else echo '{}'; fi)" \
+    --runs "${1:-3}" --steps ${INTERLEAVE:+--interleave} ${PROFILE:+--profile "$PROFILE"} --vllm-args "$(if [ -n "${VLLM_ARGS:-}" ]; then cat "$VLLM_ARGS"; else echo '{}'; fi)" \
     --json "$OUT/vllm_speed.json" > "$OUT/speed-tp2.log" 2>&1
   echo "exit $?" >> "$OUT/speed-tp2.log"
   grep -E "run:|^exit" "$OUT/speed-tp2.log" | tail -n 12

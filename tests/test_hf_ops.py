@@ -85,10 +85,10 @@ def _step(w: dict, cache: _Cache, batch: list[tuple[str, list[int], int]]) -> to
         else:
             h, residual = hf_ops.add_rms_norm(hidden, residual, lw["ln_in"], eps)
         q, k, v = hf_ops.linear(h, lw["qkv"]).split([hq * d, hkv * d, hkv * d], dim=-1)
-        if lw["q_norm"] is not None:
-            q = hf_ops.rms_norm(q.reshape(n, hq, d), lw["q_norm"].weight, eps).reshape(n, -1)
-            k = hf_ops.rms_norm(k.reshape(n, hkv, d), lw["k_norm"].weight, eps).reshape(n, -1)
-        q, k = hf_ops.rope(positions, q, k, inv, d)
+        if lw["q_norm"] is not None:  # Qwen3: the plugin's fused q/k norms and rotary
+            q, k = hf_ops.qk_norm_rope(positions, q, k, lw["q_norm"].weight, lw["k_norm"].weight, eps, inv, d)
+        else:
+            q, k = hf_ops.rope(positions, q, k, inv, d)
         cache.k[i].flatten(0, 1)[slots] = k.reshape(n, hkv, d)
         cache.v[i].flatten(0, 1)[slots] = v.reshape(n, hkv, d)
         attn = hf_ops.paged_attention(q.reshape(n, hq, d), cache.k[i], cache.v[i], qsl, seq_lens, table,

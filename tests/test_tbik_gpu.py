@@ -446,6 +446,29 @@ def test_rope_gives_the_eager_ops_bits(head_dim, theta, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("head_dim,hq,hkv", [(128, 16, 8), (128, 8, 4), (64, 32, 8), (256, 4, 1)])
+def test_qk_norm_rope_gives_the_bits_of_rms_norm_then_rope(head_dim, hq, hkv, dtype):
+    """The fused kernel against the two kernels it replaces, on q and k slices of a fused qkv
+    output, at decode and prefill token counts."""
+    inv_freq = 1.0 / (1e6 ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+    g = torch.Generator(device="cuda").manual_seed(head_dim + hq)
+    positions = torch.randint(0, 40960, (1000,), generator=g, device="cuda")
+    qkv = _spread(1000, (hq + 2 * hkv) * head_dim, dtype=dtype, seed=hq)
+    q, k = qkv[:, :hq * head_dim], qkv[:, hq * head_dim:(hq + hkv) * head_dim]
+    qw, kw = ((1 + 0.1 * _spread(head_dim, dtype=torch.float32, seed=s)).to(dtype) for s in (1, 2))
+
+    def normed(x, w):
+        return tbik.rms_norm(x.view(x.shape[0], -1, head_dim), w, 1e-6).reshape(x.shape[0], -1)
+
+    for n in (1, 7, 256, 1000):
+        got = tbik.qk_norm_rope(positions[:n], q[:n], k[:n], qw, kw, 1e-6, inv_freq, head_dim)
+        want = (tbik.rope(positions[:n], normed(q[:n], qw), inv_freq, head_dim),
+                tbik.rope(positions[:n], normed(k[:n], kw), inv_freq, head_dim))
+        for a, b in zip(got, want):
+            assert_bits_equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("batch_cos", [True, False])
 def test_apply_rope_gives_transformers_apply_rotary_pos_emb_bits(dtype, batch_cos):
     """tbik.apply_rope against transformers' own apply_rotary_pos_emb on the GPU, on q and k as

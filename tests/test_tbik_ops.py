@@ -152,6 +152,41 @@ def test_rope_rounds_as_the_eager_ops():
     assert_bits_equal(tbik.rope(positions, x, inv_freq, head_dim), want)
 
 
+def _norm_then_rope(positions, q, k, qw, kw, inv_freq, head_dim):
+    """The two kernels the fused one replaces: each head's rms_norm, then rope."""
+    def normed(x, w):
+        return tbik.rms_norm(x.view(x.shape[0], -1, head_dim), w, 1e-6).reshape(x.shape[0], -1)
+
+    return (tbik.rope(positions, normed(q, qw), inv_freq, head_dim),
+            tbik.rope(positions, normed(k, kw), inv_freq, head_dim))
+
+
+@pytest.mark.parametrize("head_dim,hq,hkv,dtype", [(128, 4, 2, torch.bfloat16), (64, 3, 1, torch.float32),
+                                                   (32, 16, 8, torch.bfloat16)])
+def test_qk_norm_rope_gives_the_bits_of_its_two_kernels(head_dim, hq, hkv, dtype):
+    """q and k as slices of a fused qkv output; rows from 1e-3 to 1e3 and a zero head, so the
+    norm's sum runs through every exponent range, and heads that fill a program's rows or not."""
+    n = 6
+    inv_freq = 1.0 / (1e6 ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+    positions = torch.tensor([0, 1, 17, 4095, 32000, 5])
+    qkv = randn(n, (hq + 2 * hkv) * head_dim, seed=11) * torch.logspace(-3, 3, n)[:, None]
+    qkv[2, :head_dim] = 0.0
+    qkv = qkv.to(dtype)
+    q, k = qkv[:, :hq * head_dim], qkv[:, hq * head_dim:(hq + hkv) * head_dim]
+    qw, kw = ((1 + 0.1 * randn(head_dim, seed=s)).to(dtype) for s in (12, 13))
+    got = tbik.qk_norm_rope(positions, q, k, qw, kw, 1e-6, inv_freq, head_dim)
+    want = _norm_then_rope(positions, q, k, qw, kw, inv_freq, head_dim)
+    for g, w in zip(got, want):
+        assert g.is_contiguous()
+        assert_bits_equal(g, w)
+    # One token alone gets the bits it gets among the others.
+    alone = tbik.qk_norm_rope(positions[3:4], q[3:4], k[3:4], qw, kw, 1e-6, inv_freq, head_dim)
+    for a, g in zip(alone, got):
+        assert_bits_equal(a, g[3:4])
+    with pytest.raises(ValueError, match="power-of-two head_dim"):
+        tbik.qk_norm_rope(positions, q, k, qw, kw, 1e-6, inv_freq[:-1], head_dim - 2)
+
+
 def test_apply_rope_gives_apply_rotary_pos_emb_bits():
     """The kernel against transformers' own function, on transposed q/k views and cos/sin of one
     row per batch or one for all."""

@@ -370,6 +370,8 @@ def test_every_plugin_op_runs_its_function_and_its_fake_matches_what_it_returns(
         "hf_add_rms_norm": (x, res, torch.randn(64, generator=g), 1e-6),  # fp32 weight: a promoted output
         "hf_silu_and_mul": (x,),
         "hf_rope": (torch.arange(6), qkv[:, :32], qkv[:, 32:], hf_ops.inv_freq(10000.0, 16), 16),
+        "hf_qk_norm_rope": (torch.arange(6), qkv[:, :32], qkv[:, 32:48], torch.randn(16, generator=g).to(bf),
+                            torch.randn(16, generator=g).to(bf), 1e-6, hf_ops.inv_freq(10000.0, 16), 16),
     }
     table = vllm_plugin._op_table()
     assert set(args) == set(table)

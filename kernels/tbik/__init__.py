@@ -4,7 +4,7 @@ Triton kernels whose results do not move with the tensor-parallel size or the ba
 the TBIK tree matmul and its per-rank partial, a tree all-reduce, and batch-invariant
 log-softmax, RMSNorm (or its scaling alone, given each row's mean of squares), last-dim mean
 and causal attention (also over a paged KV cache); SiLU-and-mul and rotary embedding with the
-bits of transformers' eager ops in one kernel each;
+bits of transformers' eager ops in one kernel each (Qwen3's q/k norms and rotary in one);
 plus a mode that routes aten's mm/addmm/_log_softmax/mean.dim to them. Depends on torch and
 triton only. See docs/tbik.md.
 
@@ -16,7 +16,7 @@ use_interpreter() runs the Triton kernels in Triton's CPU interpreter instead (k
 from .allreduce import tree_all_reduce, tree_sum
 from .attention import attention, paged_attention
 from .backend import use_interpreter
-from .elementwise import apply_rope, rope, silu_and_mul
+from .elementwise import apply_rope, qk_norm_rope, rope, silu_and_mul
 from .matmul import NUM_CHUNKS, SUPPORTED_CHUNKS, matmul_partial, tree_matmul
 from .modes import batch_invariant_mode, disable_batch_invariant_mode, enable_batch_invariant_mode, is_batch_invariant_mode_enabled
 from .norm import float_squares, mean_last_dim, rms_norm
@@ -36,6 +36,7 @@ __all__ = [
     "matmul_partial",
     "mean_last_dim",
     "paged_attention",
+    "qk_norm_rope",
     "rms_norm",
     "rope",
     "silu_and_mul",

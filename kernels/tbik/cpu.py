@@ -116,6 +116,15 @@ def rope(positions: torch.Tensor, x: torch.Tensor, inv_freq: torch.Tensor, head_
     return ((heads * cos) + (rotated * sin)).reshape(x.shape)
 
 
+def qk_norm_rope(positions, q, k, q_weight, k_weight, eps, inv_freq, head_dim):
+    """Each head of q and k through rms_norm, then rope: the two ops the kernel fuses."""
+    def normed(x, w):
+        return rms_norm(x.reshape(x.shape[0], -1, head_dim), w, eps).reshape(x.shape[0], -1)
+
+    return (rope(positions, normed(q, q_weight), inv_freq, head_dim),
+            rope(positions, normed(k, k_weight), inv_freq, head_dim))
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """transformers' apply_rotary_pos_emb on one tensor, op for op (the GPU kernel's reference)."""
     cos, sin = cos[:, None], sin[:, None]

@@ -45,6 +45,33 @@ def rope(positions: torch.Tensor, x: torch.Tensor, inv_freq: torch.Tensor, head_
     return elementwise.rope(positions, x, inv_freq.to(x.device), head_dim)
 
 
+def qk_norm_rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
+                 k_weight: torch.Tensor, eps: float, inv_freq: torch.Tensor,
+                 head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3's attention inputs: each head of q [tokens, Hq * head_dim] and k [tokens, Hk *
+    head_dim] RMSNorm'd (rms_norm with q_weight / k_weight [head_dim]), then both rotated (rope),
+    in one kernel with the bits of those two ops, so of transformers' eager chain. q and k may be
+    column slices of a fused qkv output (unit last stride, any row stride); the results are dense.
+    head_dim must be a power of two from 16 to 1024: the norm's row is then one slice whose
+    halving tree splits it into the two rotary halves."""
+    if head_dim < 16 or head_dim > 1024 or head_dim & (head_dim - 1):
+        raise ValueError(f"qk_norm_rope needs a power-of-two head_dim from 16 to 1024, got {head_dim}")
+    for name, x in (("q", q), ("k", k)):
+        if x.dim() != 2 or x.shape[1] % head_dim or x.stride(-1) != 1 or x.shape[0] != positions.numel():
+            raise ValueError(f"qk_norm_rope needs {name} [{positions.numel()} tokens, heads * {head_dim}] with a "
+                             f"unit last stride, got {tuple(x.shape)}")
+    if q.dtype != k.dtype or q_weight.dtype != k_weight.dtype or q_weight.shape != (head_dim,) \
+            or k_weight.shape != (head_dim,) or inv_freq.shape != (head_dim // 2,):
+        raise ValueError(f"qk_norm_rope needs q and k of one dtype, q_weight and k_weight [{head_dim}] of one dtype "
+                         f"and inv_freq [{head_dim // 2}]")
+    if backend.on_cpu(q):
+        return cpu.qk_norm_rope(positions, q, k, q_weight, k_weight, eps, inv_freq, head_dim)
+    backend.check_kernel_dtypes("qk_norm_rope", q, q_weight)
+    from .tl import elementwise
+
+    return elementwise.qk_norm_rope(positions, q, k, q_weight, k_weight, eps, inv_freq.to(q.device), head_dim)
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """transformers' `x * cos + rotate_half(x) * sin` (apply_rotary_pos_emb, one tensor, cos and
     sin unsqueezed at dim 1) for x [B, H, T, D] and cos, sin [B or 1, T, D] in x's dtype, each

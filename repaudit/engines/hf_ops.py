@@ -70,6 +70,14 @@ def rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, inv_freq: to
     return tbik.rope(positions, q, inv_freq, head_dim), tbik.rope(positions, k, inv_freq, head_dim)
 
 
+def qk_norm_rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
+                 k_weight: torch.Tensor, eps: float, inv_freq: torch.Tensor,
+                 head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3Attention's q_norm and k_norm of each head (rms_norm), then rope of both: one
+    kernel with the bits of those two functions (tbik.qk_norm_rope), so of transformers' ops."""
+    return tbik.qk_norm_rope(positions, q, k, q_weight, k_weight, eps, inv_freq, head_dim)
+
+
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
                     max_query_len: int, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -13,7 +13,8 @@ A tbik cell computes what the transformers engine computes in its tbik mode, op 
   addition, and vLLM's all-reduce of the two fp32 roots computes it (as tbik.tree_all_reduce's
   "pair" does).
 - RMSNorm (and the residual add vLLM fuses into it), SiLU-and-mul, rotary embedding: the
-  transformers modules' own arithmetic, with tbik's last-dim mean.
+  transformers modules' own arithmetic, with tbik's last-dim mean. Qwen3's per-head q and k
+  norms and the rotary embedding after them are one op (tbik.qk_norm_rope, the same bits).
 - attention: tbik's attention over the paged KV cache (hf_ops.paged_attention), in place of
   flash-attention's kernel; vLLM still writes the cache.
 - logprobs: tbik's log-softmax of the fp32 logits (vLLM's own kernel sums each row in another
@@ -44,6 +45,7 @@ def register() -> None:
     import vllm
     from vllm.model_executor.layers import activation, layernorm, linear, vocab_parallel_embedding
     from vllm.model_executor.layers.rotary_embedding import base as rope_base
+    from vllm.model_executor.models import qwen3
     from vllm.v1.attention.backends import flash_attn
     from vllm.v1.sample import sampler
     from vllm.v1.worker.gpu.sample import logprob
@@ -63,6 +65,7 @@ def register() -> None:
     rope_base.RotaryEmbedding.__init__ = _with_inv_freq(rope_base.RotaryEmbedding.__init__)
     rope_base.RotaryEmbedding.forward = _rope_forward
     flash_attn.FlashAttentionImpl.forward = _attention_forward
+    qwen3.Qwen3Attention.forward = _with_fused_qk_norm_rope(qwen3.Qwen3Attention.forward)
     sampler.Sampler.compute_logprobs = staticmethod(hf_ops.log_probs)  # vLLM's first model runner
     logprob.compute_token_logprobs = _token_logprobs  # its second ("V2"), the default in 0.25
     linear.RowParallelLinear._repaudit_tbik = True
@@ -95,6 +98,10 @@ def _op_table():
                             lambda x: x.new_empty((*x.shape[:-1], x.shape[-1] // 2))),
         "hf_rope": ("hf_rope(Tensor positions, Tensor q, Tensor k, Tensor inv_freq, int head_dim) -> (Tensor, Tensor)",
                     hf_ops.rope, lambda positions, q, k, inv_freq, head_dim: (q.new_empty(q.shape), k.new_empty(k.shape))),
+        "hf_qk_norm_rope": ("hf_qk_norm_rope(Tensor positions, Tensor q, Tensor k, Tensor q_weight, Tensor k_weight, "
+                            "float eps, Tensor inv_freq, int head_dim) -> (Tensor, Tensor)", hf_ops.qk_norm_rope,
+                            lambda positions, q, k, q_weight, k_weight, eps, inv_freq, head_dim:
+                            (promoted(q, q_weight), promoted(k, k_weight))),
     }
 
 
@@ -216,6 +223,38 @@ def _rope_forward(self, positions, query, key=None):
     if type(self) is not RotaryEmbedding or not self.is_neox_style or self.rotary_dim != self.head_size or key is None:
         _refuse(self, "(RoPE other than the default, full-width, neox-style one)")
     return torch.ops.repaudit.hf_rope(positions, query, key, self._repaudit_inv_freq, self.head_size)
+
+
+def _with_fused_qk_norm_rope(forward):
+    """Qwen3Attention.forward with its q norm, k norm and rotary embedding in one op
+    (hf_qk_norm_rope): the bits of the three ops it replaces, in one kernel instead of three
+    (eager prefill steps pay each op's launch from Python; graphs pay each kernel's start). A layer
+    the fused op does not cover runs `forward`, op by op, through this plugin's other ops."""
+    import functools
+
+    @functools.wraps(forward)
+    def wrapped(self, positions, hidden_states):
+        import torch
+        from vllm.model_executor.layers.layernorm import RMSNorm
+        from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+
+        rope, d = self.rotary_emb, self.head_dim
+        fused = (type(self.q_norm) is RMSNorm and type(self.k_norm) is RMSNorm and type(rope) is RotaryEmbedding
+                 and rope.is_neox_style and rope.rotary_dim == d == rope.head_size and 16 <= d <= 1024 and not d & (d - 1)
+                 and self.q_norm.has_weight and self.k_norm.has_weight
+                 and self.q_norm.variance_size_override is None and self.k_norm.variance_size_override is None
+                 and self.q_norm.variance_epsilon == self.k_norm.variance_epsilon
+                 and self.q_norm.weight.dtype == self.k_norm.weight.dtype)
+        if not fused:
+            return forward(self, positions, hidden_states)
+        qkv, _ = self.qkv_proj(hidden_states)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = torch.ops.repaudit.hf_qk_norm_rope(positions, q, k, self.q_norm.weight, self.k_norm.weight,
+                                                  self.q_norm.variance_epsilon, rope._repaudit_inv_freq, d)
+        output, _ = self.o_proj(self.attn(q, k, v))
+        return output
+
+    return wrapped
 
 
 def _attention_forward(self, layer, query, key, value, kv_cache, attn_metadata, output,

@@ -20,7 +20,7 @@ import triton.language as tl
 from triton.language.extra.cuda import libdevice
 
 from .launcher import CachedKernel
-from .norm import _rows
+from .norm import _halving_sum_rows, _rows
 
 _BLOCK = 1024
 
@@ -93,9 +93,58 @@ def _apply_rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, heads, seq, sx_b, sx_h,
     tl.store(o_row + HALF + j, hi.to(dtype), mask=mask)
 
 
+@triton.jit
+def _norm_rope_heads(x_row, w_ptr, out_row, first, n_heads, pos, inv_freq_ptr, n_cols, eps, HALF: tl.constexpr,
+                     ROWS: tl.constexpr):
+    """ROWS heads of one token (x_row: the token's q or k), RMSNorm'd as norm.py's kernel does a
+    per-head row, then rotated as _rope_kernel rotates it.
+
+    A head is read as its two rotary halves. The norm kernel's halving tree adds lane i to lane
+    i + BLOCK/2 first, and with BLOCK == head_dim (a power of two) those are the halves' lanes i:
+    x1^2 + x2^2 is that first level, bit for bit, and _halving_sum_rows over HALF lanes the rest."""
+    head = first + tl.arange(0, ROWS)
+    j = tl.arange(0, HALF)
+    mask = (head < n_heads)[:, None]
+    offs = head[:, None] * (2 * HALF) + j[None, :]
+    dtype = x_row.dtype.element_ty
+    out_dtype = out_row.dtype.element_ty
+    x1 = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x_row + offs + HALF, mask=mask, other=0.0).to(tl.float32)
+    mean = _halving_sum_rows(x1 * x1 + x2 * x2, ROWS, HALF) / n_cols
+    rstd = tl.math.rsqrt(mean + eps)[:, None]
+    w1 = tl.load(w_ptr + j).to(tl.float32)[None, :]
+    w2 = tl.load(w_ptr + HALF + j).to(tl.float32)[None, :]
+    n1 = (w1 * (x1 * rstd).to(dtype).to(tl.float32)).to(out_dtype).to(tl.float32)
+    n2 = (w2 * (x2 * rstd).to(dtype).to(tl.float32)).to(out_dtype).to(tl.float32)
+    freq = tl.load(inv_freq_ptr + j) * pos
+    cos = libdevice.cos(freq).to(out_dtype).to(tl.float32)[None, :]
+    sin = libdevice.sin(freq).to(out_dtype).to(tl.float32)[None, :]
+    lo, hi = _rotated(n1, n2, cos, cos, sin, sin, out_dtype)
+    tl.store(out_row + offs, lo.to(out_dtype), mask=mask)
+    tl.store(out_row + offs + HALF, hi.to(out_dtype), mask=mask)
+
+
+@triton.jit
+def _qk_norm_rope_kernel(pos_ptr, inv_freq_ptr, q_ptr, k_ptr, qw_ptr, kw_ptr, q_out_ptr, k_out_ptr, q_heads, k_heads,
+                         stride_q, stride_k, n_cols, eps, HALF: tl.constexpr, ROWS: tl.constexpr):
+    # One token, ROWS heads of q (the first cdiv(q_heads, ROWS) programs along axis 1) or of k.
+    token = tl.program_id(0).to(tl.int64)
+    block = tl.program_id(1)
+    q_blocks = tl.cdiv(q_heads, ROWS)
+    pos = tl.load(pos_ptr + token).to(tl.float32)
+    if block < q_blocks:
+        _norm_rope_heads(q_ptr + token * stride_q, qw_ptr, q_out_ptr + token * q_heads * n_cols, block * ROWS,
+                         q_heads, pos, inv_freq_ptr, n_cols, eps, HALF, ROWS)
+    else:
+        _norm_rope_heads(k_ptr + token * stride_k, kw_ptr, k_out_ptr + token * k_heads * n_cols,
+                         (block - q_blocks) * ROWS, k_heads, pos, inv_freq_ptr, n_cols, eps, HALF, ROWS)
+
+
 _silu_and_mul = CachedKernel(_silu_and_mul_kernel)
 _rope = CachedKernel(_rope_kernel)
 _apply_rope = CachedKernel(_apply_rope_kernel)
+_qk_norm_rope = CachedKernel(_qk_norm_rope_kernel)
+_HEAD_ELEMENTS = 1024  # a program's heads hold this many elements at most (norm.py's _ROW_ELEMENTS)
 _EXACT = dict(num_warps=4, enable_fp_fusion=False)
 
 
@@ -131,3 +180,19 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
                                    out.stride(0), out.stride(1), out.stride(2)),
                     dict(HALF=D // 2, BLOCK=max(16, triton.next_power_of_2(D // 2)), **_EXACT))
     return out
+
+
+def qk_norm_rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
+                 k_weight: torch.Tensor, eps: float, inv_freq: torch.Tensor,
+                 head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    q_heads, k_heads = q.shape[1] // head_dim, k.shape[1] // head_dim
+    out_dtype = torch.promote_types(q_weight.dtype, q.dtype)
+    q_out = torch.empty(q.shape, dtype=out_dtype, device=q.device)
+    k_out = torch.empty(k.shape, dtype=out_dtype, device=k.device)
+    if q.shape[0]:
+        rows = min(max(1, _HEAD_ELEMENTS // head_dim), triton.next_power_of_2(max(q_heads, k_heads)))
+        grid = (q.shape[0], triton.cdiv(q_heads, rows) + triton.cdiv(k_heads, rows))
+        _qk_norm_rope(grid, (positions.reshape(-1), inv_freq.float().contiguous(), q, k, q_weight.contiguous(),
+                             k_weight.contiguous(), q_out, k_out, q_heads, k_heads, q.stride(0), k.stride(0), head_dim,
+                             float(eps)), dict(HALF=head_dim // 2, ROWS=rows, **_EXACT))
+    return q_out, k_out
