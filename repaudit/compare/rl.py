@@ -26,7 +26,7 @@ def rl_metrics(acc: Accumulator, clip: tuple[float, float]) -> RLMetrics:
     out.abs_diff_mean = acc.abs_total.scaled / (n << 149)
     terms = np.square(d)  # the one temporary as large as d: fresh memory costs page faults
     out.kl_k2 = float(np.sum(terms)) / (2 * n)
-    out.kl_k3 = float(np.sum(_exp_minus_1_minus(d, out=terms))) / n
+    out.kl_k3 = _mean_of_sum(_exp_minus_1_minus(d, out=terms), n)
     lo, p50, p99, hi = _nearest_ranks(d, zeros, [(0, 1), (1, 2), (99, 100), (1, 1)])
     with np.errstate(over="ignore"):
         out.ratio_min, out.ratio_p50, out.ratio_p99, out.ratio_max = (float(np.exp(x)) for x in (lo, p50, p99, hi))
@@ -39,6 +39,16 @@ def rl_metrics(acc: Accumulator, clip: tuple[float, float]) -> RLMetrics:
     if len(margins):
         (out.flip_margin_p50,) = _nearest_ranks(margins, 0, [(1, 2)])
     return out
+
+
+def _mean_of_sum(terms: np.ndarray, n: int) -> float:
+    """sum(terms) / n in float64, summed like kl_k2. k3's terms reach 1.6e308 (d just below 709.78), so their
+    sum can pass DBL_MAX while the mean is finite: then the terms are summed again scaled by 2**-64 (exact,
+    a power of two; terms that small add nothing at this size) and the mean scaled back."""
+    total = float(np.sum(terms))
+    if not math.isinf(total) or np.isinf(terms).any():
+        return total / n
+    return math.ldexp(float(np.sum(np.ldexp(terms, -64))) / n, 64)
 
 
 def _nearest_ranks(d: np.ndarray, zeros: int, quantiles: list[tuple[int, int]]) -> list[float]:
