@@ -295,8 +295,8 @@ def _rl(data: ReportData) -> str:
         charts.append(svg.histogram([int(c) for c in p.ratio_hist.counts], labels, f"log-ratio d: {title}",
                                     ratio_summary(p.ratio_hist), y_max, colours, width=520, unit="(decade of d)",
                                     markers=ratio_markers(p.ratio_hist)))
-    note = ('<p class="lead">Positions by d in signed decades of |d| (the ratio is exp(d); 0 = bitwise-equal logprobs, '
-            "ratio exactly 1). Dashed lines: the clip bounds log LO and log HI. Count axis is logarithmic.</p>")
+    note = ('<p class="lead">Positions by d in signed decades of |d| (the ratio is exp(d); 0 = d of 0, ratio exactly 1: bitwise-equal logprobs, '
+            "or +0.0 against -0.0). Dashed lines: the clip bounds log LO and log HI. Count axis is logarithmic.</p>")
     return head + table + note + '<div class="plots">' + "".join(charts) + "</div>"
 
 

@@ -101,7 +101,7 @@ def render_markdown(data: ReportData) -> str:
         parts += [table(RL_HEADER, [[cell(v) for v in rl_row(p).values()] for p in pairs]), ""]
         with_hist = [p for p in pairs if p.ratio_hist is not None]
         if with_hist:
-            parts += ["Positions per signed decade of d (0: bitwise-equal logprobs, ratio exactly 1).", ""]
+            parts += ["Positions per signed decade of d (0: d = 0, ratio exactly 1: bitwise-equal logprobs, or +0.0 against -0.0).", ""]
             parts += [table(["pair"] + log_ratio_labels(), [[cell(p.label)] + [str(int(c)) for c in p.ratio_hist.counts] for p in with_hist]), ""]
             parts += [f"- {cell(p.label)}: {cell(ratio_summary(p.ratio_hist))}" for p in with_hist] + [""]
 
