@@ -183,6 +183,13 @@ def test_qk_norm_rope_gives_the_bits_of_its_two_kernels(head_dim, hq, hkv, dtype
     alone = tbik.qk_norm_rope(positions[3:4], q[3:4], k[3:4], qw, kw, 1e-6, inv_freq, head_dim)
     for a, g in zip(alone, got):
         assert_bits_equal(a, g[3:4])
+    # fp32 weights on bf16 heads: the norm's output is promoted to fp32, and the rotary runs in fp32.
+    if dtype == torch.bfloat16:
+        got = tbik.qk_norm_rope(positions, q, k, qw.float(), kw.float(), 1e-6, inv_freq, head_dim)
+        want = _norm_then_rope(positions, q, k, qw.float(), kw.float(), inv_freq, head_dim)
+        for g, w in zip(got, want):
+            assert g.dtype == torch.float32
+            assert_bits_equal(g, w)
     with pytest.raises(ValueError, match="power-of-two head_dim"):
         tbik.qk_norm_rope(positions, q, k, qw, kw, 1e-6, inv_freq[:-1], head_dim - 2)
 
