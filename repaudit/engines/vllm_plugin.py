@@ -227,7 +227,7 @@ def _rope_forward(self, positions, query, key=None):
 
 def _with_fused_qk_norm_rope(forward):
     """Qwen3Attention.forward with its q norm, k norm and rotary embedding in one op
-    (hf_qk_norm_rope): the bits of the three ops it replaces, in one kernel instead of three
+    (hf_qk_norm_rope): the bits of the three ops it replaces, in one kernel instead of four
     (eager prefill steps pay each op's launch from Python; graphs pay each kernel's start). A layer
     the fused op does not cover runs `forward`, op by op, through this plugin's other ops."""
     import functools

@@ -144,8 +144,8 @@ _silu_and_mul = CachedKernel(_silu_and_mul_kernel)
 _rope = CachedKernel(_rope_kernel)
 _apply_rope = CachedKernel(_apply_rope_kernel)
 _qk_norm_rope = CachedKernel(_qk_norm_rope_kernel)
-_HEAD_ELEMENTS = 1024  # a program's heads hold this many elements at most (norm.py's _ROW_ELEMENTS)
 _EXACT = dict(num_warps=4, enable_fp_fusion=False)
+_HEAD_ELEMENTS = 1024  # a program's heads hold this many elements at most (norm.py's _ROW_ELEMENTS)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
