@@ -176,11 +176,16 @@ def _row_parallel_forward(self, input_):
     return out, (self.bias if self.skip_bias_add else None)
 
 
-def _rms_norm_forward(self, x, residual=None):
-    import torch
+def _is_llama_rms_norm(norm) -> bool:
     from vllm.model_executor.layers.layernorm import RMSNorm
 
-    if type(self) is not RMSNorm or self.variance_size_override is not None or not self.has_weight:
+    return type(norm) is RMSNorm and norm.variance_size_override is None and norm.has_weight
+
+
+def _rms_norm_forward(self, x, residual=None):
+    import torch
+
+    if not _is_llama_rms_norm(self):
         _refuse(self, "(a norm other than Llama's RMSNorm)")
     if residual is None:
         return torch.ops.repaudit.hf_rms_norm(x, self.weight, self.variance_epsilon)
@@ -216,11 +221,16 @@ def _with_inv_freq(init):
     return wrapped
 
 
-def _rope_forward(self, positions, query, key=None):
-    import torch
+def _is_default_rope(rope) -> bool:
     from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
 
-    if type(self) is not RotaryEmbedding or not self.is_neox_style or self.rotary_dim != self.head_size or key is None:
+    return type(rope) is RotaryEmbedding and rope.is_neox_style and rope.rotary_dim == rope.head_size
+
+
+def _rope_forward(self, positions, query, key=None):
+    import torch
+
+    if not _is_default_rope(self) or key is None:
         _refuse(self, "(RoPE other than the default, full-width, neox-style one)")
     return torch.ops.repaudit.hf_rope(positions, query, key, self._repaudit_inv_freq, self.head_size)
 
@@ -235,14 +245,10 @@ def _with_fused_qk_norm_rope(forward):
     @functools.wraps(forward)
     def wrapped(self, positions, hidden_states):
         import torch
-        from vllm.model_executor.layers.layernorm import RMSNorm
-        from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
 
         rope, d = self.rotary_emb, self.head_dim
-        fused = (type(self.q_norm) is RMSNorm and type(self.k_norm) is RMSNorm and type(rope) is RotaryEmbedding
-                 and rope.is_neox_style and rope.rotary_dim == d == rope.head_size and 16 <= d <= 1024 and not d & (d - 1)
-                 and self.q_norm.has_weight and self.k_norm.has_weight
-                 and self.q_norm.variance_size_override is None and self.k_norm.variance_size_override is None
+        fused = (_is_llama_rms_norm(self.q_norm) and _is_llama_rms_norm(self.k_norm) and _is_default_rope(rope)
+                 and rope.head_size == d and 16 <= d <= 1024 and not d & (d - 1)
                  and self.q_norm.variance_epsilon == self.k_norm.variance_epsilon
                  and self.q_norm.weight.dtype == self.k_norm.weight.dtype)
         if not fused:
