@@ -9,12 +9,16 @@ The shapes are Qwen3-0.6B's at TP=2 (8 query and 4 key/value heads of 128 a rank
 whose sequences hold 64-640 keys (what the decode steps of benchmarks/vllm_speed.py run), and a
 prefill chunk of 32 requests of 256 new tokens after 0-256 cached ones.
 
-    python3 benchmarks/paged_attention_bench.py [--json FILE]
+    python3 benchmarks/paged_attention_bench.py [--stages 2,3,4] [--json FILE]
+
+With --stages, the kernel each call runs is also timed at each software pipeline depth, with
+its bits checked against the shipped depth's.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from pathlib import Path
@@ -74,10 +78,22 @@ def graph_us(fns: dict, calls: int = 20, rounds: int = 15) -> dict:
     return {name: sorted(t)[len(t) // 2] for name, t in times.items()}
 
 
+def at_depth(run, out, rows: int, depth: int) -> None:
+    """run(out, rows) with the kernel compiled for `depth` pipeline stages."""
+    shipped = kernels.STAGES
+    kernels.STAGES = depth
+    try:
+        run(out, rows)
+    finally:
+        kernels.STAGES = shipped
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json")
+    ap.add_argument("--stages", default="", help="pipeline depths to time the shipped kernel at, e.g. 2,3,4")
     args = ap.parse_args()
+    depths = [int(d) for d in args.stages.split(",") if d]
     g = torch.Generator(device="cuda").manual_seed(0)
     cases = {"decode, TP=2 heads (8/4), 256 requests, 64-640 keys": _case(g, 256, 1, 63, 639),
              "decode, TP=1 heads (16/8), 256 requests, 64-640 keys": _case(g, 256, 1, 63, 639, 16, 8),
@@ -95,14 +111,25 @@ def main() -> None:
             finally:
                 kernels.KEYS_MAJOR_ROWS = shipped_rows
 
-        times = graph_us({"shipped": lambda: run(outs[0], shipped_rows), "row-major": lambda: run(outs[1], 0)})
+        fns = {"shipped": lambda: run(outs[0], shipped_rows), "row-major": lambda: run(outs[1], 0)}
+        deep = {d: torch.empty_like(q) for d in depths}
+        for d in depths:
+            fns[f"stages={d}"] = functools.partial(at_depth, run, deep[d], shipped_rows, d)
+        times = graph_us(fns)
         same = torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16))
+        by_depth = {d: {"us": times[f"stages={d}"], "bits_equal": torch.equal(outs[0].view(torch.int16),
+                                                                              deep[d].view(torch.int16))}
+                    for d in depths}
+        for d, row in by_depth.items():
+            print(f"|   at {d} stages | | {row['us']:.1f} | | {times['shipped'] / row['us']:.2f} (shipped / this) "
+                  f"| {row['bits_equal']} |", flush=True)
         shipped = "keys-major" if kernels.keys_major(q, new * q.shape[1] // k.shape[2]) else "row-major"
         print(f"| {name} | {shipped} | {times['shipped']:.1f} | {times['row-major']:.1f} "
               f"| {times['row-major'] / times['shipped']:.2f} | {same} |", flush=True)
         rows.append({"device": torch.cuda.get_device_name(), "case": name, "shipped": shipped,
                      "us": times["shipped"], "row_major_us": times["row-major"],
                      "ratio": times["row-major"] / times["shipped"], "bits_equal": same,
+                     "stages": kernels.STAGES, "by_stages": by_depth,
                      "command": " ".join(["python3 benchmarks/paged_attention_bench.py", *sys.argv[1:]])})
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")

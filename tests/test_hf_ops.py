@@ -62,7 +62,23 @@ class _Cache:
                             device=self.k[0].device)
 
 
-def _step(w: dict, cache: _Cache, batch: list[tuple[str, list[int], int]]) -> torch.Tensor:
+def _row_parallel(x: torch.Tensor, weight: torch.Tensor, tp: int) -> torch.Tensor:
+    """The plugin's o_proj / down_proj at TP=tp, its ranks in turn: each rank's fp32 root of its K
+    shard, the roots summed in the tree's order (vLLM's all-reduce at TP=2), handed on as fp32,
+    the cast left to the add-norm after it (vllm_plugin._fold_casts_into_norms)."""
+    import tbik
+
+    from repaudit.engines import hf_ops
+
+    if tp == 1:
+        return hf_ops.linear(x, weight)
+    k = x.shape[-1] // tp
+    return tbik.tree_sum(torch.stack([
+        tbik.matmul_partial(x[:, r * k:(r + 1) * k].contiguous(), weight[:, r * k:(r + 1) * k].t(), tp_size=tp)
+        for r in range(tp)]))
+
+
+def _step(w: dict, cache: _Cache, batch: list[tuple[str, list[int], int]], tp: int = 1) -> torch.Tensor:
     """One vLLM forward: `batch` is (request, its new tokens, position of the first); returns the
     logprobs of every new token's next-token distribution, [tokens, vocab]."""
     from repaudit.engines import hf_ops
@@ -93,9 +109,9 @@ def _step(w: dict, cache: _Cache, batch: list[tuple[str, list[int], int]]) -> to
         cache.v[i].flatten(0, 1)[slots] = v.reshape(n, hkv, d)
         attn = hf_ops.paged_attention(q.reshape(n, hq, d), cache.k[i], cache.v[i], qsl, seq_lens, table,
                                       int(lens.max()), d ** -0.5)
-        hidden = hf_ops.linear(attn.reshape(n, -1), lw["o"])
+        hidden = _row_parallel(attn.reshape(n, -1), lw["o"], tp)
         h, residual = hf_ops.add_rms_norm(hidden, residual, lw["ln_post"], eps)
-        hidden = hf_ops.linear(hf_ops.silu_and_mul(hf_ops.linear(h, lw["gate_up"])), lw["down"])
+        hidden = _row_parallel(hf_ops.silu_and_mul(hf_ops.linear(h, lw["gate_up"])), lw["down"], tp)
     h, _ = hf_ops.add_rms_norm(hidden, residual, w["norm"], eps)
     return hf_ops.log_probs(hf_ops.linear(h, w["lm_head"]))
 
@@ -107,11 +123,15 @@ def _bits(x) -> np.ndarray:
 _GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
+@pytest.mark.parametrize("tp", [1, 2])
 @pytest.mark.parametrize("model,device", [
     ("builtin:tiny-qwen3", "cpu"), ("builtin:tiny-llama", "cpu"),
     pytest.param("builtin:tiny-qwen3", "cuda", marks=_GPU), pytest.param("builtin:tiny-llama", "cuda", marks=_GPU),
     pytest.param("builtin:qwen3-0.6b", "cuda", marks=_GPU)])
-def test_vllm_shaped_forward_gives_the_transformers_tbik_bits(model, device):
+def test_vllm_shaped_forward_gives_the_transformers_tbik_bits(model, device, tp):
+    """vLLM's schedule of chunked prefills and decode steps through the plugin's ops, at TP=1 and
+    at TP=2 (row-parallel layers as their ranks compute them, the fp32 sum handed to the add-norm),
+    gives every logprob of the transformers engine's tbik mode at TP=1."""
     import contextlib
 
     import tbik
@@ -141,7 +161,7 @@ def test_vllm_shaped_forward_gives_the_transformers_tbik_bits(model, device):
     cpu_mode = tbik.batch_invariant_mode("cpu", tbik.NUM_CHUNKS) if device == "cpu" else contextlib.nullcontext()
     with cpu_mode, torch.no_grad():
         for batch in plan:
-            lp = _step(w, cache, batch)
+            lp = _step(w, cache, batch, tp)
             row = 0
             for r, toks, first in batch:
                 for j in range(len(toks)):

@@ -398,6 +398,12 @@ def test_rms_norm_gives_the_eager_ops_bits(n, dtype):
     want, want_total = _eager_rms_norm(x, w, 1e-6, res)
     assert_bits_equal(total, want_total)
     assert_bits_equal(out, want)
+    if dtype != torch.float32:  # a row-parallel layer's fp32 sum, its cast folded into the norm
+        wide = _spread(600, n, dtype=torch.float32, seed=n + 2) * 3
+        out, total = tbik.rms_norm(wide, w, 1e-6, residual=res)
+        want, want_total = _eager_rms_norm(wide.to(dtype), w, 1e-6, res)
+        assert_bits_equal(total, want_total)
+        assert_bits_equal(out, want)
     # Per-head norms of a fused qkv output: a two-level strided view, read in place.
     qkv = _spread(300, 3 * 1024, dtype=dtype, seed=5)
     q = qkv[:, :1024].view(300, 8, 128)

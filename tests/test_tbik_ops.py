@@ -79,6 +79,38 @@ def test_rms_norm_batch_invariant_and_the_eager_ops_bits(dtype):
     assert_bits_equal(tbik.rms_norm(q, w[:128], 1e-6), _eager_rms_norm(q, w[:128], 1e-6)[0])
 
 
+@pytest.mark.parametrize("half", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("one_slice", [True, False])
+def test_rms_norm_of_a_float32_x_is_the_norm_of_its_cast(half, one_slice, monkeypatch):
+    """A row-parallel layer's fp32 sum handed to the add-norm as it is: the kernel's rounding of
+    x to the residual's dtype is torch's cast (ties to even, overflow to inf), so the sum, the
+    residual and the normed rows are those of the cast x. (A NaN stays a NaN; its payload bits
+    are the platform's, torch's CPU cast and the GPU's differ, so it is checked apart.)"""
+    from tbik.tl import norm
+
+    monkeypatch.setattr(norm, "_ONE_SLICE", one_slice)
+    x = randn(5, 1024, seed=11) * 3
+    res = randn(5, 1024, dtype=half, seed=12)
+    # exact ties between two 16-bit neighbours, both parities, and values past the format's range
+    step = 2.0 ** -7 if half == torch.bfloat16 else 2.0 ** -10
+    x[0, :4] = torch.tensor([1 + step / 2, 1 + 3 * step / 2, -(1 + step / 2), 7e4 if half == torch.float16 else 4e38])
+    w = (1 + 0.1 * randn(1024, seed=13)).to(half)
+    normed, total = tbik.rms_norm(x, w, 1e-6, residual=res)
+    want, want_total = tbik.rms_norm(x.to(half), w, 1e-6, residual=res)
+    assert total.dtype == half and normed.dtype == half
+    assert_bits_equal(total, want_total)
+    assert_bits_equal(normed, want)
+    assert_bits_equal(total, res + x.to(half))
+    # the fold rounds x before the add: adding the fp32 x itself would give other bits
+    assert not torch.equal(total.view(torch.int16), (res.float() + x).to(half).view(torch.int16))
+    x[1, 7] = float("nan")
+    normed, total = tbik.rms_norm(x, w, 1e-6, residual=res)
+    assert total[1, 7].isnan() and normed[1].isnan().all() and not normed[2:].isnan().any()
+    assert_bits_equal(total[[0, 2, 3, 4]], want_total[[0, 2, 3, 4]])
+    with pytest.raises(ValueError, match="residual must be"):
+        tbik.rms_norm(x.to(half), w, 1e-6, residual=res.float())
+
+
 def test_rms_norm_held_in_registers_or_read_twice_gives_the_same_bits(monkeypatch):
     """A row that fits one slice is held in registers from its one read to its store; read twice
     (the path of wider rows) it is added in the same pairs and order."""

@@ -88,10 +88,10 @@ def mean_last_dim(x: torch.Tensor, keepdim: bool = False, dtype=None) -> torch.T
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
              mean_sq: torch.Tensor | None = None):
-    total = x if residual is None else residual + x
+    total = x if residual is None else residual + x.to(residual.dtype)
     h = total.float()
     h = h * torch.rsqrt((mean_last_dim(h.pow(2), keepdim=True) if mean_sq is None else mean_sq) + eps)
-    out = weight * h.to(x.dtype)
+    out = weight * h.to(total.dtype)
     return out if residual is None else (out, total)
 
 

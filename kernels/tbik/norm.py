@@ -17,14 +17,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     instead, and (normed, that sum) is returned. The result dtype follows torch's promotion of
     (weight, x), as in `self.weight * hidden`.
 
+    x may also be float32 with a 16-bit residual (a row-parallel layer's fp32 sum): x is then
+    rounded to the residual's dtype first, which then stands for x's dtype above. The bits are
+    those of `rms_norm(x.to(residual.dtype), weight, eps, residual)`, without the cast's own pass.
+
     With `mean_sq` (fp32, x.shape[:-1] + (1,)), each row's mean of h.pow(2) computed elsewhere
     (torch's own `mean` of float_squares(x), as the stock eager norm computes it), the kernel
     only scales: the eager ops' bits with any reduction order.
     """
     if weight.shape != (x.shape[-1],):
         raise ValueError(f"weight must have shape ({x.shape[-1]},), got {tuple(weight.shape)}")
-    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
-        raise ValueError(f"residual must be {tuple(x.shape)} {x.dtype}, got {tuple(residual.shape)} {residual.dtype}")
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype and not (
+            x.dtype == torch.float32 and residual.dtype in (torch.bfloat16, torch.float16))):
+        raise ValueError(f"residual must be {tuple(x.shape)} {x.dtype} (or 16-bit with a float32 x), "
+                         f"got {tuple(residual.shape)} {residual.dtype}")
     if mean_sq is not None:
         want = (*x.shape[:-1], 1)
         if residual is not None or tuple(mean_sq.shape) != want or mean_sq.dtype != torch.float32:

@@ -41,7 +41,8 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     """The decoder layer's `hidden = residual + hidden` followed by the next norm.
 
     vLLM fuses the two and normalises the fp32 sum; transformers adds in the model dtype and
-    normalises the rounded sum. Returns (normed, new residual) as vLLM's layer expects.
+    normalises the rounded sum. Returns (normed, new residual) as vLLM's layer expects. x may
+    be a row-parallel layer's fp32 sum, rounded to the residual's dtype first (its cast, folded).
     """
     return tbik.rms_norm(x, weight, eps, residual=residual)
 

@@ -11,7 +11,8 @@ A tbik cell computes what the transformers engine computes in its tbik mode, op 
   the P roots over vLLM's TP group and add them in the tree's order (tbik.tree_sum), then one
   cast: TP=1 and TP=N add the same numbers in the same order. At TP=2 the tree is one
   addition, and vLLM's all-reduce of the two fp32 roots computes it (as tbik.tree_all_reduce's
-  "pair" does).
+  "pair" does). In vLLM's Llama, Qwen2 and Qwen3 models the cast is left to the add-norm
+  that reads the sum (_fold_casts_into_norms).
 - RMSNorm (and the residual add vLLM fuses into it), SiLU-and-mul, rotary embedding: the
   transformers modules' own arithmetic, with tbik's last-dim mean. Qwen3's per-head q and k
   norms and the rotary embedding after them are one op (tbik.qk_norm_rope, the same bits).
@@ -45,7 +46,7 @@ def register() -> None:
     import vllm
     from vllm.model_executor.layers import activation, layernorm, linear, vocab_parallel_embedding
     from vllm.model_executor.layers.rotary_embedding import base as rope_base
-    from vllm.model_executor.models import qwen3
+    from vllm.model_executor.models import llama, qwen2, qwen3
     from vllm.v1.attention.backends import flash_attn
     from vllm.v1.sample import sampler
     from vllm.v1.worker.gpu.sample import logprob
@@ -66,6 +67,8 @@ def register() -> None:
     rope_base.RotaryEmbedding.forward = _rope_forward
     flash_attn.FlashAttentionImpl.forward = _attention_forward
     qwen3.Qwen3Attention.forward = _with_fused_qk_norm_rope(qwen3.Qwen3Attention.forward)
+    for model in (llama.LlamaModel, qwen2.Qwen2Model):  # Qwen3Model's __init__ is Qwen2Model's, with its layers
+        model.__init__ = _with_casts_folded(model.__init__)
     sampler.Sampler.compute_logprobs = staticmethod(hf_ops.log_probs)  # vLLM's first model runner
     logprob.compute_token_logprobs = _token_logprobs  # its second ("V2"), the default in 0.25
     linear.RowParallelLinear._repaudit_tbik = True
@@ -93,7 +96,7 @@ def _op_table():
                         lambda x, weight, eps: promoted(x, weight)),
         "hf_add_rms_norm": ("hf_add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)",
                             hf_ops.add_rms_norm,
-                            lambda x, residual, weight, eps: (promoted(x, weight), x.new_empty(x.shape))),
+                            lambda x, residual, weight, eps: (promoted(residual, weight), residual.new_empty(x.shape))),
         "hf_silu_and_mul": ("hf_silu_and_mul(Tensor x) -> Tensor", hf_ops.silu_and_mul,
                             lambda x: x.new_empty((*x.shape[:-1], x.shape[-1] // 2))),
         "hf_rope": ("hf_rope(Tensor positions, Tensor q, Tensor k, Tensor inv_freq, int head_dim) -> (Tensor, Tensor)",
@@ -170,10 +173,59 @@ def _row_parallel_forward(self, input_):
             root = torch.ops.repaudit.tbik_tree_sum(get_tp_group().all_gather(root, dim=0), tp)
         if bias is not None:
             root = root + bias.float()
-        out = root.to(x.dtype).reshape(*x.shape[:-1], self.weight.shape[0])
+        # Where the only reader is the next add-norm (_fold_casts_into_norms), it rounds the
+        # fp32 sum itself: the same cast, without a kernel of its own in every layer.
+        out = (root if getattr(self, "_repaudit_fp32_out", False) else root.to(x.dtype)).reshape(
+            *x.shape[:-1], self.weight.shape[0])
     if not self.return_bias:
         return out
     return out, (self.bias if self.skip_bias_add else None)
+
+
+def _with_casts_folded(init):
+    """A Llama/Qwen model's __init__, then _fold_casts_into_norms on it."""
+    import functools
+
+    @functools.wraps(init)
+    def wrapped(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        _fold_casts_into_norms(self, kwargs["vllm_config"])
+
+    return wrapped
+
+
+def _fold_casts_into_norms(model, vllm_config) -> None:
+    """Let each decoder layer's o_proj and down_proj hand their fp32 sums (TP > 1) to the
+    add-norm after them, which rounds them to the model dtype as it reads them (tbik.rms_norm
+    with a float32 x): the same bits as the cast, one kernel fewer a row-parallel layer.
+
+    Only where those norms are each sum's one reader, as the forwards of vLLM's own Llama,
+    Qwen2 and Qwen3 models and layers have it (the output goes to the next layer's input norm
+    or the model's final norm, with the residual): every layer of a known kind, no pipeline
+    stage to hand a hidden state to, and no speculative drafter that reads hidden states."""
+    from vllm.model_executor.layers.linear import RowParallelLinear
+    from vllm.model_executor.models import llama, qwen2, qwen3
+
+    models = {llama.LlamaModel: llama.LlamaModel.forward, qwen2.Qwen2Model: qwen2.Qwen2Model.forward,
+              qwen3.Qwen3Model: qwen2.Qwen2Model.forward}
+    layers = {llama.LlamaDecoderLayer: (llama.LlamaAttention, llama.LlamaMLP),
+              qwen2.Qwen2DecoderLayer: (qwen2.Qwen2Attention, qwen2.Qwen2MLP),
+              qwen3.Qwen3DecoderLayer: (qwen3.Qwen3Attention, qwen2.Qwen2MLP)}
+    spec = vllm_config.speculative_config
+    if (type(model) not in models or type(model).forward is not models[type(model)]
+            or vllm_config.parallel_config.pipeline_parallel_size != 1
+            or (spec is not None and spec.method != "ngram") or not _is_llama_rms_norm(model.norm)):
+        return
+    projections = []
+    for layer in model.layers:
+        attn_mlp = layers.get(type(layer))
+        if (attn_mlp is None or (type(layer.self_attn), type(layer.mlp)) != attn_mlp
+                or not _is_llama_rms_norm(layer.input_layernorm) or not _is_llama_rms_norm(layer.post_attention_layernorm)):
+            return
+        projections += [layer.self_attn.o_proj, layer.mlp.down_proj]
+    if all(type(p) is RowParallelLinear and not p.skip_bias_add for p in projections):
+        for p in projections:
+            p._repaudit_fp32_out = True
 
 
 def _is_llama_rms_norm(norm) -> bool:

@@ -48,6 +48,9 @@ _BLOCK_N = 64
 _LOG2E = 1.4426950408889634
 KEYS_MAJOR_ROWS = 16  # query rows a key/value head up to which a call runs keys-major (0: never)
 KEYS_MAJOR_TRITON = ("3.6.",)  # Triton versions whose row-sum order row_sum_in_mma_order spells out
+# Software pipeline depth (key blocks loaded ahead), a launch choice: the arithmetic, and so the
+# bits, are the same at any depth (benchmarks/paged_attention_bench.py --stages checks it).
+STAGES = 2
 
 
 @triton.jit
@@ -267,7 +270,7 @@ def keys_major(q: torch.Tensor, rows: int) -> bool:
 
 def _meta(q: torch.Tensor, dim: int, block_m: int = _BLOCK_M) -> dict:
     return dict(HEAD_DIM=dim, BLOCK_D=max(16, triton.next_power_of_2(dim)), BLOCK_M=block_m, BLOCK_N=_BLOCK_N,
-                PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4, num_stages=2)
+                PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4, num_stages=STAGES)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: torch.Tensor, end: torch.Tensor,

@@ -86,7 +86,7 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, mean_ptr, n_rows, 
     row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
     row_ok = row < n_rows
     x_row = x_ptr + (row // rows_inner) * stride_xo + (row % rows_inner) * stride_xi
-    dtype = x_ptr.dtype.element_ty
+    dtype = res_ptr.dtype.element_ty  # the residual's dtype, or x's (res_ptr is x without one)
     if ONE_SLICE:  # the row fits one slice: held in registers from its one read to its store
         cols = tl.arange(0, BLOCK)
         mask = row_ok[:, None] & (cols < n_cols)[None, :]
@@ -120,11 +120,12 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, mean_ptr, n_rows, 
 @triton.jit
 def _row_slice(x_row, res_ptr, sum_ptr, row, cols, mask, stride_r, stride_s, HAS_RESIDUAL: tl.constexpr):
     """One slice of the rows as the norm sees it: x, or the decoder's `residual + x` rounded to
-    x's dtype, which is also written out as the next residual."""
+    the residual's dtype, which is also written out as the next residual. A wider x (a
+    row-parallel layer's fp32 sum) is first rounded to that dtype: the layer's cast, folded in."""
     x = tl.load(x_row[:, None] + cols[None, :], mask=mask, other=0.0)
     if HAS_RESIDUAL:
         res = tl.load(res_ptr + row[:, None] * stride_r + cols[None, :], mask=mask, other=0.0)
-        x = (res.to(tl.float32) + x.to(tl.float32)).to(x_row.dtype.element_ty)
+        x = (res.to(tl.float32) + x.to(res_ptr.dtype.element_ty).to(tl.float32)).to(res_ptr.dtype.element_ty)
         tl.store(sum_ptr + row[:, None] * stride_s + cols[None, :], x, mask=mask)
     return x
 
@@ -173,8 +174,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
              mean_sq: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     n_cols = x.shape[-1]
     rows = _row_view(x)
-    out = torch.empty((*x.shape[:-1], n_cols), dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
-    total = torch.empty(x.shape, dtype=x.dtype, device=x.device) if residual is not None else out
+    model_dtype = x.dtype if residual is None else residual.dtype
+    out = torch.empty((*x.shape[:-1], n_cols), dtype=torch.promote_types(weight.dtype, model_dtype), device=x.device)
+    total = torch.empty(x.shape, dtype=model_dtype, device=x.device) if residual is not None else out
     res = residual.reshape(-1, n_cols).contiguous() if residual is not None else rows
     if out.numel():
         n_rows = out.numel() // n_cols
