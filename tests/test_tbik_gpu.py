@@ -193,6 +193,18 @@ def test_fused_tree_sum_matches_torch_adds():
 # ---------------------------------------------------------------- invariant ops
 
 
+def test_log_softmax_at_gives_the_gathered_bits_of_log_softmax():
+    """A vLLM sampling step's logprobs in a tbik cell: fp32 rows as wide as Qwen3's vocabulary,
+    the chosen token and a top-k of each, against the whole log-softmax gathered."""
+    logits = (torch.randn(300, 151936, device="cuda") * 3).bfloat16().float()
+    logits[7, 5000:] = float("-inf")
+    index = torch.randint(0, 151936, (300, 6), device="cuda")
+    index[7, 0] = 5000
+    want = tbik.log_softmax(logits).gather(1, index)
+    assert_bits_equal(tbik.log_softmax_at(logits, index), want)
+    assert_bits_equal(tbik.log_softmax_at(logits[100:133], index[100:133].int()), want[100:133])
+
+
 def test_log_softmax_and_rms_norm_batch_invariant():
     logits = torch.randn(512, VOCAB, device="cuda") * 3
     full = tbik.log_softmax(logits)

@@ -52,6 +52,27 @@ def test_log_softmax_other_dim_masked_entries_and_fp32_output():
     assert half.dtype == torch.float32
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_log_softmax_at_gives_the_gathered_bits_of_log_softmax(dtype):
+    """The asked entries of each row, from the same first pass over the row as log_softmax's,
+    whatever the rows around them; an index outside the row is NaN instead of a stray read."""
+    x = randn(9, 5000, dtype=dtype, seed=3) * 4
+    x[2, 100:] = float("-inf")
+    index = torch.randint(0, 5000, (9, 6), generator=torch.Generator().manual_seed(4))
+    index[2, 0] = 100
+    want = tbik.log_softmax(x, -1, torch.float32).gather(-1, index)
+    got = tbik.log_softmax_at(x, index, torch.float32)
+    assert_bits_equal(got, want)
+    assert_bits_equal(tbik.log_softmax_at(x[3:5], index[3:5].int(), torch.float32), want[3:5])
+    assert torch.isinf(got[2, 0]) and got[2, 0] < 0
+    bad = index.clone()
+    bad[1, 2], bad[4, 0] = -1, 5000
+    out = tbik.log_softmax_at(x, bad, torch.float32)
+    assert out[1, 2].isnan() and out[4, 0].isnan() and out.isnan().sum() == 2
+    with pytest.raises(ValueError, match="int32/int64 index"):
+        tbik.log_softmax_at(x, index.float())
+
+
 def _eager_rms_norm(x, w, eps, residual=None):
     """transformers' RMSNorm op by op, with tbik's mean (the engine's tbik mode)."""
     total = x if residual is None else residual + x

@@ -20,7 +20,7 @@ from .elementwise import apply_rope, qk_norm_rope, rope, silu_and_mul
 from .matmul import NUM_CHUNKS, SUPPORTED_CHUNKS, matmul_partial, tree_matmul
 from .modes import batch_invariant_mode, disable_batch_invariant_mode, enable_batch_invariant_mode, is_batch_invariant_mode_enabled
 from .norm import float_squares, mean_last_dim, rms_norm
-from .softmax import log_softmax
+from .softmax import log_softmax, log_softmax_at
 
 __all__ = [
     "NUM_CHUNKS",
@@ -33,6 +33,7 @@ __all__ = [
     "float_squares",
     "is_batch_invariant_mode_enabled",
     "log_softmax",
+    "log_softmax_at",
     "matmul_partial",
     "mean_last_dim",
     "paged_attention",

@@ -29,3 +29,22 @@ def log_softmax(x: torch.Tensor, dim: int = -1, dtype: torch.dtype | None = None
             return softmax.log_softmax_rows(x, out)
         result = softmax.log_softmax(x, dim, dtype)
     return result if out is None else out.copy_(result)
+
+
+def log_softmax_at(x: torch.Tensor, index: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """`log_softmax(x, -1, dtype).gather(-1, index)` for x [rows, V] and index [rows, k] (int32 or
+    int64): the same bits, without writing the rows' other entries (a sampler's logprobs of its
+    chosen and top-k tokens out of a vocabulary-wide row). An index outside [0, V) gives NaN where
+    gather would raise (checking it would wait for the device)."""
+    if not x.is_floating_point():
+        raise TypeError(f"log_softmax_at needs a floating-point tensor, got {x.dtype}")
+    if x.dim() != 2 or index.dim() != 2 or index.shape[0] != x.shape[0] or index.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"log_softmax_at takes x [rows, V] and an int32/int64 index [rows, k], got "
+                         f"{tuple(x.shape)} and {tuple(index.shape)} {index.dtype}")
+    if backend.on_cpu(x):
+        inside = (index >= 0) & (index < x.shape[1])
+        picked = cpu.log_softmax(x, -1, dtype).gather(-1, index.clamp(0, max(x.shape[1] - 1, 0)).long())
+        return picked.masked_fill(~inside, float("nan"))
+    from .tl import softmax
+
+    return softmax.log_softmax_at(x, index, dtype or x.dtype)

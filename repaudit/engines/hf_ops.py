@@ -94,3 +94,8 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
 def log_probs(logits: torch.Tensor) -> torch.Tensor:
     """The transformers engine's log_softmax(logits.float()) with tbik's kernel."""
     return tbik.log_softmax(logits.float(), -1)
+
+
+def token_log_probs(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """log_probs(logits).gather(1, token_ids), without writing the rest of each row."""
+    return tbik.log_softmax_at(logits.float(), token_ids)

@@ -340,4 +340,4 @@ def _token_logprobs(logits, token_ids):
     log-softmax of the whole row: vLLM's own kernel sums the row in another order."""
     from . import hf_ops
 
-    return hf_ops.log_probs(logits).gather(1, token_ids.long())
+    return hf_ops.token_log_probs(logits, token_ids)
