@@ -120,12 +120,12 @@ def main() -> None:
         by_depth = {d: {"us": times[f"stages={d}"], "bits_equal": torch.equal(outs[0].view(torch.int16),
                                                                               deep[d].view(torch.int16))}
                     for d in depths}
-        for d, row in by_depth.items():
-            print(f"|   at {d} stages | | {row['us']:.1f} | | {times['shipped'] / row['us']:.2f} (shipped / this) "
-                  f"| {row['bits_equal']} |", flush=True)
         shipped = "keys-major" if kernels.keys_major(q, new * q.shape[1] // k.shape[2]) else "row-major"
         print(f"| {name} | {shipped} | {times['shipped']:.1f} | {times['row-major']:.1f} "
               f"| {times['row-major'] / times['shipped']:.2f} | {same} |", flush=True)
+        for d, row in by_depth.items():
+            print(f"|   at {d} stages | | {row['us']:.1f} | | {times['shipped'] / row['us']:.2f} (shipped / this) "
+                  f"| {row['bits_equal']} |", flush=True)
         rows.append({"device": torch.cuda.get_device_name(), "case": name, "shipped": shipped,
                      "us": times["shipped"], "row_major_us": times["row-major"],
                      "ratio": times["row-major"] / times["shipped"], "bits_equal": same,
