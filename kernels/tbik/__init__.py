@@ -16,7 +16,7 @@ use_interpreter() runs the Triton kernels in Triton's CPU interpreter instead (k
 from .allreduce import tree_all_reduce, tree_sum
 from .attention import attention, paged_attention
 from .backend import use_interpreter
-from .elementwise import apply_rope, qk_norm_rope, rope, silu_and_mul
+from .elementwise import apply_rope, qk_norm_rope, qk_norm_rope_fits, rope, silu_and_mul
 from .matmul import NUM_CHUNKS, SUPPORTED_CHUNKS, matmul_partial, tree_matmul
 from .modes import batch_invariant_mode, disable_batch_invariant_mode, enable_batch_invariant_mode, is_batch_invariant_mode_enabled
 from .norm import float_squares, mean_last_dim, rms_norm
@@ -38,6 +38,7 @@ __all__ = [
     "mean_last_dim",
     "paged_attention",
     "qk_norm_rope",
+    "qk_norm_rope_fits",
     "rms_norm",
     "rope",
     "silu_and_mul",

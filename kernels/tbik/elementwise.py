@@ -45,6 +45,12 @@ def rope(positions: torch.Tensor, x: torch.Tensor, inv_freq: torch.Tensor, head_
     return elementwise.rope(positions, x, inv_freq.to(x.device), head_dim)
 
 
+def qk_norm_rope_fits(head_dim: int) -> bool:
+    """Whether qk_norm_rope takes this head size: a power of two from 16 to 1024, so that the
+    norm's row is one slice whose halving tree splits it into the two rotary halves."""
+    return 16 <= head_dim <= 1024 and not head_dim & (head_dim - 1)
+
+
 def qk_norm_rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
                  k_weight: torch.Tensor, eps: float, inv_freq: torch.Tensor,
                  head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,9 +58,8 @@ def qk_norm_rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_we
     head_dim] RMSNorm'd (rms_norm with q_weight / k_weight [head_dim]), then both rotated (rope),
     in one kernel with the bits of those two ops, so of transformers' eager chain. q and k may be
     column slices of a fused qkv output (unit last stride, any row stride); the results are dense.
-    head_dim must be a power of two from 16 to 1024: the norm's row is then one slice whose
-    halving tree splits it into the two rotary halves."""
-    if head_dim < 16 or head_dim > 1024 or head_dim & (head_dim - 1):
+    head_dim must pass qk_norm_rope_fits."""
+    if not qk_norm_rope_fits(head_dim):
         raise ValueError(f"qk_norm_rope needs a power-of-two head_dim from 16 to 1024, got {head_dim}")
     for name, x in (("q", q), ("k", k)):
         if x.dim() != 2 or x.shape[1] % head_dim or x.stride(-1) != 1 or x.shape[0] != positions.numel():

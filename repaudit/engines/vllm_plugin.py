@@ -298,9 +298,11 @@ def _with_fused_qk_norm_rope(forward):
     def wrapped(self, positions, hidden_states):
         import torch
 
+        import tbik
+
         rope, d = self.rotary_emb, self.head_dim
         fused = (_is_llama_rms_norm(self.q_norm) and _is_llama_rms_norm(self.k_norm) and _is_default_rope(rope)
-                 and rope.head_size == d and 16 <= d <= 1024 and not d & (d - 1)
+                 and rope.head_size == d and tbik.qk_norm_rope_fits(d)
                  and self.q_norm.variance_epsilon == self.k_norm.variance_epsilon
                  and self.q_norm.weight.dtype == self.k_norm.weight.dtype)
         if not fused:
