@@ -148,12 +148,13 @@ def test_rms_norm_held_in_registers_or_read_twice_gives_the_same_bits(monkeypatc
             assert_bits_equal(g, wt)
 
 
+@pytest.mark.parametrize("width", [1024, 1500])  # a row held in one slice, and one read twice
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rms_norm_with_a_given_mean_gives_the_stock_ops_bits(dtype):
+def test_rms_norm_with_a_given_mean_gives_the_stock_ops_bits(dtype, width):
     """The stock mode's norm: tbik's squares, torch's own mean of them, then tbik's scaling, is
     transformers' RMSNorm op by op with torch's mean, whatever order that mean adds in."""
-    x = randn(3, 7, 1500, dtype=dtype, seed=5) * 3
-    w = (1 + 0.1 * randn(1500, seed=6)).to(dtype)
+    x = randn(3, 7, width, dtype=dtype, seed=5) * 3
+    w = (1 + 0.1 * randn(width, seed=6)).to(dtype)
     h = x.float()
     assert_bits_equal(tbik.float_squares(x), h.pow(2))
     mean_sq = h.pow(2).mean(-1, keepdim=True)
@@ -245,6 +246,8 @@ def test_qk_norm_rope_gives_the_bits_of_its_two_kernels(head_dim, hq, hkv, dtype
             assert_bits_equal(g, w)
     with pytest.raises(ValueError, match="power-of-two head_dim"):
         tbik.qk_norm_rope(positions, q, k, qw, kw, 1e-6, inv_freq[:-1], head_dim - 2)
+    # the plugin asks this before calling the fused op, and takes the two ops where it says no
+    assert [d for d in range(2049) if tbik.qk_norm_rope_fits(d)] == [16, 32, 64, 128, 256, 512, 1024]
 
 
 def test_apply_rope_gives_apply_rotary_pos_emb_bits():

@@ -87,19 +87,17 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, mean_ptr, n_rows, 
     row_ok = row < n_rows
     x_row = x_ptr + (row // rows_inner) * stride_xo + (row % rows_inner) * stride_xi
     dtype = res_ptr.dtype.element_ty  # the residual's dtype, or x's (res_ptr is x without one)
+    if MEAN_GIVEN:  # each row's mean of squares came from elsewhere (torch's own reduction)
+        mean = tl.load(mean_ptr + row, mask=row_ok, other=1.0)
     if ONE_SLICE:  # the row fits one slice: held in registers from its one read to its store
         cols = tl.arange(0, BLOCK)
         mask = row_ok[:, None] & (cols < n_cols)[None, :]
         h = _row_slice(x_row, res_ptr, sum_ptr, row, cols, mask, stride_r, stride_s, HAS_RESIDUAL).to(tl.float32)
-        if MEAN_GIVEN:
-            mean = tl.load(mean_ptr + row, mask=row_ok, other=1.0)
-        else:  # 0 + h * h is h * h to the bit (a square is never -0), so this is the loop's sum
+        if not MEAN_GIVEN:  # 0 + h * h is h * h to the bit (a square is never -0), so this is the loop's sum
             mean = _halving_sum_rows(h * h, ROWS, BLOCK) / n_cols
         _store_scaled(h, tl.math.rsqrt(mean + eps), w_ptr, out_ptr, row, cols, n_cols, mask, stride_o, dtype)
     else:
-        if MEAN_GIVEN:  # each row's mean of squares came from elsewhere (torch's own reduction)
-            mean = tl.load(mean_ptr + row, mask=row_ok, other=1.0)
-        else:
+        if not MEAN_GIVEN:
             acc = tl.zeros((ROWS, BLOCK), dtype=tl.float32)
             for start in range(0, n_cols, BLOCK):
                 cols = start + tl.arange(0, BLOCK)
