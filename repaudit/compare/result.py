@@ -27,13 +27,24 @@ class Thresholds:
         # are) reprs as "np.float64(0.5)", which broke the exact seq-divergence comparison, the
         # reasons' text and the reproduce command, and np.int64 is not JSON.
         if self.max_ulp is not None:
+            if isinstance(self.max_ulp, float) and not math.isfinite(self.max_ulp):
+                raise ValueError(f"max_ulp must be a whole number >= 0, got {self.max_ulp!r}")
             ulp = int(self.max_ulp)
-            if ulp != self.max_ulp:
-                raise ValueError(f"max_ulp must be a whole number, got {self.max_ulp!r}")
+            if ulp != self.max_ulp or ulp < 0:
+                raise ValueError(f"max_ulp must be a whole number >= 0, got {self.max_ulp!r}")
             object.__setattr__(self, "max_ulp", ulp)
+        # The bounds the CLI flags enforce, here too for the Python API: every check is "value >
+        # threshold", so a NaN threshold (a tolerance computed from data that held a NaN) failed
+        # no pair at all, and a NaN max_seq_divergence raised inside the verdict.
         if self.max_abs is not None:
-            object.__setattr__(self, "max_abs", float(self.max_abs))
-        object.__setattr__(self, "max_seq_divergence", float(self.max_seq_divergence))
+            max_abs = float(self.max_abs)
+            if not max_abs >= 0.0:  # NaN included
+                raise ValueError(f"max_abs must be a number >= 0 (inf tolerates any distance), got {self.max_abs!r}")
+            object.__setattr__(self, "max_abs", max_abs)
+        seq = float(self.max_seq_divergence)
+        if not 0.0 <= seq <= 1.0:  # NaN included
+            raise ValueError(f"max_seq_divergence must be a fraction in [0, 1], got {self.max_seq_divergence!r}")
+        object.__setattr__(self, "max_seq_divergence", seq)
 
     @property
     def strict(self) -> bool:
