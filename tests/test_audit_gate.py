@@ -149,3 +149,24 @@ def test_a_threshold_that_would_gate_nothing_is_refused(kw):
     verdict. The API refuses what the CLI flags refuse."""
     with pytest.raises(ValueError):
         Thresholds(**kw)
+
+
+def test_the_junit_thresholds_property_is_json_for_an_infinite_tolerance(tmp_path):
+    """`--max-abs inf` is a valid tolerance; the JUnit property said `"max_abs": Infinity`, which a
+    strict JSON parser refuses. It reads "inf", as every JSON repaudit writes."""
+    import json
+    from xml.etree import ElementTree as ET
+
+    from repaudit.report.junit import junit_xml
+
+    pa_ = write(tmp_path / "a.parquet", {("p", 1): Row(1, 0xFF800000, -1, None, 7)}, False, 1)
+    pb_ = write(tmp_path / "b.parquet", {("p", 1): Row(1, 0x7F800000, -1, None, 7)}, False, 1)
+    g = gate_files(pa_, pb_, Thresholds(max_abs=math.inf))
+    assert g.passed  # |-inf - +inf| = inf is within inf
+    props = {p.get("name"): p.get("value") for p in ET.fromstring(junit_xml(g, 0.0, "host")).iter("property")}
+
+    def refuse(token):
+        raise ValueError(f"not JSON: {token}")
+
+    assert json.loads(props["thresholds"], parse_constant=refuse) == {
+        "max_abs": "inf", "max_seq_divergence": 0.0, "max_ulp": None, "strict": False}

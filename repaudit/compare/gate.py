@@ -28,7 +28,7 @@ from ..run.rundir import Manifest, ManifestData
 from .diff import diff_records
 from .labels import cell_settings, short_labels
 from .render import metric_rows, pct, verdict_line
-from .result import DEFAULT_CLIP, DiffResult, Thresholds
+from .result import DEFAULT_CLIP, DiffResult, Thresholds, json_float
 from .stored import Store
 
 
@@ -186,7 +186,7 @@ def gate_run(run: RunInfo, thresholds: Thresholds) -> GateResult:
         "run_dir": str(run.run_dir), "baseline": run.plan.baseline.id,
         "reference_per": ",".join(run.plan.matrix.reference_per),
         "model": str(m.model.get("id")), "command": shlex.join(m.command),
-        "thresholds": json.dumps(_thresholds_dict(thresholds), sort_keys=True),
+        "thresholds": json.dumps(_thresholds_dict(thresholds), sort_keys=True, allow_nan=False),
     }
     refused = [(cell.id, reason) for cell, reason in run.plan.refused]
     labels = short_labels({c.id: cell_settings(c) for c in run.plan.cells})
@@ -201,12 +201,14 @@ def gate_files(a: Path, b: Path, thresholds: Thresholds, allow_partial: bool = F
     ida, idb = result.a.cell_id, result.b.cell_id
     cell, ref = (idb, ida) if ida != idb else (str(b), str(a))
     pair = PairOutcome(cell, ref, result=result, seconds=seconds, path_a=Path(a), path_b=Path(b), delta="A")
-    props = {"a": str(a), "b": str(b), "thresholds": json.dumps(_thresholds_dict(thresholds), sort_keys=True)}
+    props = {"a": str(a), "b": str(b), "thresholds": json.dumps(_thresholds_dict(thresholds), sort_keys=True, allow_nan=False)}
     return GateResult("files", [pair], thresholds, props)
 
 
 def _thresholds_dict(th: Thresholds) -> dict[str, Any]:
-    return {"max_ulp": th.max_ulp, "max_abs": th.max_abs, "max_seq_divergence": th.max_seq_divergence,
+    # `--max-abs inf` is a valid tolerance; json.dumps wrote it as the bare token Infinity, which is
+    # not JSON (a strict parser of the JUnit property fails on it): "inf", as every JSON repaudit writes.
+    return {"max_ulp": th.max_ulp, "max_abs": json_float(th.max_abs), "max_seq_divergence": th.max_seq_divergence,
             "strict": th.strict}
 
 
