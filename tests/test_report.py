@@ -336,6 +336,19 @@ def test_the_lowest_bitwise_equal_tile_skips_a_pair_with_no_comparable_row():
     assert tile.value == "80.00%" and "12/15" in tile.detail and "tp1 bs4" in tile.detail and tile.tone == "fail"
 
 
+def test_the_lowest_bitwise_equal_tile_is_not_green_when_no_pair_has_a_comparable_row():
+    """Every pair forks at its first token (0 of 0 logprobs compared): the tile read "n/a" in green
+    beside a FAIL verdict, since 0 == 0. No rate is no pass."""
+    from types import SimpleNamespace
+
+    from repaudit.report.headline import tiles
+
+    result = SimpleNamespace(bitwise_equal=0, comparable=0, ulp_max=0, prob_max=0.0, shared_prompts=[], identical=False)
+    data = SimpleNamespace(kind="diff", pairs=[SimpleNamespace(label="tp2", outcome="fail", result=result, divergences=[])])
+    (tile,) = [t for t in tiles(data) if t.label == "lowest bitwise-equal"]
+    assert (tile.value, tile.tone) == ("n/a", "warn")
+
+
 @pytest.mark.parametrize("identical, value, tone", [(True, "none", "pass"),
                                                      (False, "none in tokens or logprobs", "warn")])
 def test_the_earliest_divergence_tile_is_not_green_for_a_pair_that_differs_elsewhere(identical, value, tone):

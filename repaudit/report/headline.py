@@ -70,8 +70,10 @@ def tiles(data: ReportData) -> list[Tile]:
         # is not taken for the lowest one (the fork shows in the earliest-divergence tile).
         label, _, r = min(results, key=lambda x: (x[2].comparable == 0,
                                                   Fraction(x[2].bitwise_equal, max(1, x[2].comparable)), x[0]))
+        # Only when every pair has none is such a pair shown: 0/0 is "n/a", not a pass (0 == 0 made it green).
+        tone = "warn" if r.comparable == 0 else "pass" if r.bitwise_equal == r.comparable else "fail"
         out.append(Tile("lowest bitwise-equal", pct(r.bitwise_equal, r.comparable),
-                        f"{r.bitwise_equal}/{r.comparable} logprobs · {label}", "pass" if r.bitwise_equal == r.comparable else "fail"))
+                        f"{r.bitwise_equal}/{r.comparable} logprobs · {label}", tone))
         label, _, r = max(results, key=lambda x: x[2].ulp_max)
         out.append(Tile("largest ULP distance", str(r.ulp_max), label if r.ulp_max else "", "pass" if r.ulp_max == 0 else "fail"))
         label, _, r = max(results, key=lambda x: x[2].prob_max)
