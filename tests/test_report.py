@@ -183,6 +183,19 @@ def test_svg_pieces_are_well_formed_xml():
         root = ET.fromstring(p)
         assert root.tag == "{http://www.w3.org/2000/svg}svg" and float(root.get("width")) > 0 and float(root.get("height")) > 0
     assert svg.rate_colour(10**12 - 1, 10**12) != svg.EQUAL and svg.rate_colour(7, 7) == svg.EQUAL
+
+
+@pytest.mark.parametrize("identical", [True, False])
+def test_the_cell_matrix_is_green_only_for_an_identical_pair(identical):
+    """docs/ci.md: green means every bit agrees. A generate pair whose tokens fork where its logits first
+    move has every compared logprob equal (5/5, 0 ULP) and is not identical; it was drawn green."""
+    from repaudit.report import svg
+    from repaudit.report.analysis import MatrixEntry, MatrixView
+    from repaudit.report.html import _matrix_svgs
+
+    mv = MatrixView("generate", ["c0", "c1"], ["bs1", "bs4"], {"c0"}, {(0, 1): MatrixEntry(5, 5, 0, identical)})
+    rates = _matrix_svgs(mv).split("</svg>")[0]  # the bitwise-equal map (the max-ULP map's green is 0 ULP)
+    assert "100%" in rates and (svg.EQUAL in rates) == identical
     assert svg.ulp_colour(0, 10) == svg.EQUAL and svg.ulp_colour(1, 10) != svg.EQUAL
     assert svg.nice_ticks(77) == [0, 10, 20, 30, 40, 50, 60, 70] and svg.nice_ticks(0) == [0]
 

@@ -226,7 +226,9 @@ def _matrix_svgs(mv: MatrixView) -> str:
         return cell
 
     rate_cell = heat_cell(lambda x: (
-        svg.rate_colour(x.bitwise_equal, x.comparable), pct(x.bitwise_equal, x.comparable),
+        # Green means every bit of the pair agrees (docs/ci.md): 100% of the logprobs before a fork, or
+        # beside differing row digests or top-k, is yellow.
+        svg.rate_colour(x.bitwise_equal, x.comparable, x.identical), pct(x.bitwise_equal, x.comparable),
         f"bitwise-equal {x.bitwise_equal}/{x.comparable} ({pct(x.bitwise_equal, x.comparable)}); max {x.ulp_max} ULP"
         + ("; identical" if x.identical else "")))
     ulp_cell = heat_cell(lambda x: (

@@ -35,12 +35,14 @@ def _lerp(stops: Sequence[tuple[float, str]], t: float) -> str:
     return stops[-1][1]
 
 
-def rate_colour(num: int, den: int) -> str:
-    """Green only when num == den; below that, yellow (almost all) to dark red (none)."""
+def rate_colour(num: int, den: int, identical: bool | None = None) -> str:
+    """Green only when num == den; below that, yellow (almost all) to dark red (none). identical=False:
+    every compared logprob agrees, yet the pair is not identical (its tokens fork, or its row digests
+    or top-k differ): yellow, the top of the scale, never green."""
     if den == 0:
         return NA
     if num == den:
-        return EQUAL
+        return EQUAL if identical is not False else _RATE_STOPS[-1][1]
     return _lerp(_RATE_STOPS, float(Fraction(num, den)))
 
 
