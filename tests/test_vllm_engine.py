@@ -117,6 +117,9 @@ def test_tbik_through_vllm_is_refused_for_a_model_the_plugin_does_not_reproduce(
         (d / "config.json").write_text(json.dumps({**cfg, **change}))
         with pytest.raises(InputError, match=words):
             vllm_engine.check_tbik_model(str(d))
+    vllm_engine.check_tbik_args({"enable_lora": False, "max_num_seqs": 8})
+    with pytest.raises(InputError, match="enable_lora"):  # LoRA's own row-parallel layers reduce bf16 partials
+        vllm_engine.check_tbik_args({"enable_lora": True})
 
 
 # ---------------------------------------------------------------- with vLLM's own classes

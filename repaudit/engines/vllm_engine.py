@@ -135,6 +135,15 @@ def check_tbik_model(path: str) -> None:
                          "plugin does not reproduce op for op (use --kernels bi or stock for this model)")
 
 
+def check_tbik_args(vllm_args: dict[str, Any]) -> None:
+    """Refuse, in one line, engine arguments under which vLLM runs layers the plugin does not
+    replace: with LoRA, vLLM's row-parallel LoRA layers all-reduce bf16 partials themselves."""
+    if vllm_args.get("enable_lora"):
+        raise InputError("--engine vllm --kernels tbik: --vllm-arg enable_lora swaps in vLLM's LoRA layers, whose "
+                         "row-parallel all-reduce of bf16 partials the plugin does not replace (use --kernels bi or "
+                         "stock with LoRA)")
+
+
 def process_env(kernels: str) -> dict[str, str]:
     """Variables for the cell's process, before vLLM is imported; vLLM's workers inherit them."""
     if kernels not in KERNEL_ENV:
