@@ -105,7 +105,7 @@ def test_tbik_through_vllm_is_refused_for_a_model_the_plugin_does_not_reproduce(
     from repaudit.errors import InputError
 
     for name in ("builtin:tiny-qwen3", "builtin:tiny-llama"):
-        vllm_engine.check_tbik_model(str(builtin.ensure(name)))
+        vllm_engine.check_tbik(str(builtin.ensure(name)), {"enable_lora": False, "max_num_seqs": 8})
     cfg = json.loads((builtin.ensure("builtin:tiny-llama") / "config.json").read_text())
     for change, words in (({"model_type": "gemma", "architectures": ["GemmaForCausalLM"]}, "model type 'gemma'"),
                           ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -116,10 +116,9 @@ def test_tbik_through_vllm_is_refused_for_a_model_the_plugin_does_not_reproduce(
         d.mkdir()
         (d / "config.json").write_text(json.dumps({**cfg, **change}))
         with pytest.raises(InputError, match=words):
-            vllm_engine.check_tbik_model(str(d))
-    vllm_engine.check_tbik_args({"enable_lora": False, "max_num_seqs": 8})
+            vllm_engine.check_tbik(str(d), {})
     with pytest.raises(InputError, match="enable_lora"):  # LoRA's own row-parallel layers reduce bf16 partials
-        vllm_engine.check_tbik_args({"enable_lora": True})
+        vllm_engine.check_tbik(str(builtin.ensure("builtin:tiny-qwen3")), {"enable_lora": True})
 
 
 # ---------------------------------------------------------------- with vLLM's own classes

@@ -12,7 +12,7 @@ through the environment, set before vLLM is imported:
          the rollout's bits are the trainer's. vLLM's own batch-invariant mode is off (the
          plugin replaces every op it would touch); attention is tbik's over the paged KV cache
          on the flash-attention backend, inside vLLM's CUDA graphs as it ships them.
-         Llama/Qwen3-style decoders only (check_tbik_model).
+         Llama/Qwen3-style decoders only (check_tbik).
 
 Logprobs are vLLM's raw ones (`logprobs_mode="raw_logprobs"`: log-softmax of the model's
 logits before any sampling processor), the float32 values vLLM's kernel computed. A generate
@@ -117,10 +117,16 @@ def require(device: str = "cuda", nnodes: int = 1) -> None:
         raise InputError("--engine vllm runs on one node here (vLLM's multi-node mode needs a Ray cluster)")
 
 
-def check_tbik_model(path: str) -> None:
-    """Refuse, in one line, a model the plugin's tbik path would not reproduce op for op."""
+def check_tbik(path: str, vllm_args: dict[str, Any]) -> None:
+    """Refuse, in one line, a model the plugin's tbik path would not reproduce op for op, or
+    engine arguments under which vLLM runs layers the plugin does not replace (with LoRA,
+    vLLM's row-parallel LoRA layers all-reduce bf16 partials themselves)."""
     from transformers import AutoConfig
 
+    if vllm_args.get("enable_lora"):
+        raise InputError("--engine vllm --kernels tbik: --vllm-arg enable_lora swaps in vLLM's LoRA layers, whose "
+                         "row-parallel all-reduce of bf16 partials the plugin does not replace (use --kernels bi or "
+                         "stock with LoRA)")
     cfg = AutoConfig.from_pretrained(path)
     rope = (getattr(cfg, "rope_parameters", None) or {}).get("rope_type", "default")
     problems = [what for what, bad in (
@@ -133,15 +139,6 @@ def check_tbik_model(path: str) -> None:
     if problems:
         raise InputError(f"--engine vllm --kernels tbik: {path} has {'; '.join(problems)}, which repaudit's vLLM "
                          "plugin does not reproduce op for op (use --kernels bi or stock for this model)")
-
-
-def check_tbik_args(vllm_args: dict[str, Any]) -> None:
-    """Refuse, in one line, engine arguments under which vLLM runs layers the plugin does not
-    replace: with LoRA, vLLM's row-parallel LoRA layers all-reduce bf16 partials themselves."""
-    if vllm_args.get("enable_lora"):
-        raise InputError("--engine vllm --kernels tbik: --vllm-arg enable_lora swaps in vLLM's LoRA layers, whose "
-                         "row-parallel all-reduce of bf16 partials the plugin does not replace (use --kernels bi or "
-                         "stock with LoRA)")
 
 
 def process_env(kernels: str) -> dict[str, str]:

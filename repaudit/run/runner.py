@@ -192,8 +192,7 @@ def run(matrix: Matrix, opts: RunOptions, console: Console | None = None,
 
         vllm_engine.require(matrix.device, opts.rdzv.nnodes)
         if "tbik" in matrix.kernels:
-            vllm_engine.check_tbik_model(str(ref.path))
-            vllm_engine.check_tbik_args(matrix.vllm_args)
+            vllm_engine.check_tbik(str(ref.path), matrix.vllm_args)
     tok = load_tokenizer(ref, opts.trust_remote_code)
     prompts = tokenize(suite, tok, matrix.max_new_tokens, max_positions)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
