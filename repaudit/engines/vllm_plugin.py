@@ -206,14 +206,14 @@ def _fold_casts_into_norms(model, vllm_config) -> None:
     from vllm.model_executor.layers.linear import RowParallelLinear
     from vllm.model_executor.models import llama, qwen2, qwen3
 
-    models = {llama.LlamaModel: llama.LlamaModel.forward, qwen2.Qwen2Model: qwen2.Qwen2Model.forward,
-              qwen3.Qwen3Model: qwen2.Qwen2Model.forward}
+    # Exact classes, not subclasses, whose forwards (in the vLLM versions of TESTED_VLLM) read
+    # each layer's output only through the next add-norm.
+    models = (llama.LlamaModel, qwen2.Qwen2Model, qwen3.Qwen3Model)
     layers = {llama.LlamaDecoderLayer: (llama.LlamaAttention, llama.LlamaMLP),
               qwen2.Qwen2DecoderLayer: (qwen2.Qwen2Attention, qwen2.Qwen2MLP),
               qwen3.Qwen3DecoderLayer: (qwen3.Qwen3Attention, qwen2.Qwen2MLP)}
     spec = vllm_config.speculative_config
-    if (type(model) not in models or type(model).forward is not models[type(model)]
-            or vllm_config.parallel_config.pipeline_parallel_size != 1
+    if (type(model) not in models or vllm_config.parallel_config.pipeline_parallel_size != 1
             or (spec is not None and spec.method != "ngram") or not _is_llama_rms_norm(model.norm)):
         return
     projections = []
