@@ -113,6 +113,10 @@ def _kernel_rows() -> list[list[str]]:
             out.append([f"tbik.tree_matmul / cuBLAS (torch.matmul), bf16, Qwen3-8B linear shapes, {which}, geometric mean "
                         f"(median of {s['runs']} runs; error vs fp64 at most {s['relerr_ratio_max']:.3f}x cuBLAS's)", target,
                         f"{s[key]:.3f}x", device, s["command"]])
+    for r in _load("capture_topk.json"):
+        out.append([f"the vLLM cell's top-{r['k']} ids of a step (row_values.top_ids) / torch.topk + cat, {r['dtype']} "
+                    f"[{r['rows']}, {r['vocab']}], CUDA graph replays", "—",
+                    f"{r['ratio']:.3f}x ({r['top_ids_us']:.1f} / {r['torch_topk_us']:.1f} us)", r["device"], r["command"]])
     for r in _load("allreduce.json"):
         ratios = "; ".join(f"{a} {r[f'ratio_{a}']:.3f}x ({r[f'tree_{a}_us']:.1f} / {r['all_reduce_fp32_us']:.1f} us)"
                            for a in ("gather", "halving", "pair") if f"ratio_{a}" in r)

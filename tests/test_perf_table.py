@@ -59,6 +59,11 @@ def test_every_measured_row_reaches_the_table_with_its_ratio_and_command():
         assert any(row[2].startswith(f"gather {r['ratio_gather']:.3f}x") and r["message"] in row[0]
                    and row[3] == r["device"] and row[4] == r["command"] for row in rows), r["message"]
         expected += 1
+    capture_file = ROOT / "reports" / "perf" / "capture_topk.json"
+    for r in json.loads(capture_file.read_text()) if capture_file.exists() else []:
+        assert any(row[2].startswith(f"{r['ratio']:.3f}x") and f"[{r['rows']}, {r['vocab']}]" in row[0]
+                   and row[3] == r["device"] and row[4] == r["command"] for row in rows), r["rows"]
+        expected += 1
     assert len(rows) == expected
 
 

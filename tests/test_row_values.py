@@ -86,6 +86,7 @@ def test_bad_requests_are_refused():
     "test_a_list_longer_than_the_kernels_is_refused",
     "test_digests_of_16_bit_and_strided_rows",
     "test_widen_casts_and_takes_the_digest_partials",
+    "test_top_ids_are_the_references_ids",
 ])
 def test_row_values_kernels_under_the_interpreter(case, interpreted_case):
     proc = interpreted_case(CASES, case)
@@ -148,3 +149,26 @@ def test_canonical_order_is_the_row_values_order():
     got_ids, got_lps = canonical_topk(shuffled, lp.numpy()[0][shuffled])
     assert got_ids.tolist() == ids.tolist() == [[1, 5, 2, 3, 0, 4]]
     assert np.array_equal(got_lps.view(np.int32), values.numpy().view(np.int32))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("n,vocab,k,dtype", [(1, 151936, 6, torch.bfloat16), (256, 151936, 6, torch.bfloat16),
+                                             (32, 151936, 32, torch.float16), (5, 32000, 21, torch.float32),
+                                             (16, 4096, 32, "every")])
+def test_top_ids_give_the_references_ids_on_a_gpu(n, vocab, k, dtype):
+    """The vLLM capture's top-k ids of a step's logits: the reference's, after each row's own id.
+    bf16 rows of random logits tie at every rank; "every" is the 65,536 bf16 patterns, NaNs and
+    -0.0 among them."""
+    from repaudit.engines.row_values import top_ids
+
+    g = torch.Generator().manual_seed(n + k)
+    if dtype == "every":
+        logits = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).view(n, vocab)
+    else:
+        logits = (torch.randn(n, vocab, generator=g) * 4).to(dtype)
+        logits[0, :3] = torch.tensor([float("nan"), -0.0, float("inf")])
+    first = torch.randint(0, vocab, (n, 1), generator=g, dtype=torch.int32)
+    want = torch.cat((first.long(), reference_topk(logits.float(), k)[1]), dim=1)
+    got = top_ids(logits.cuda(), first.cuda(), k)
+    assert got.dtype == torch.int64 and torch.equal(got.cpu(), want)

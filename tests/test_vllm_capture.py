@@ -116,23 +116,26 @@ def test_the_hook_asks_vllms_kernel_for_the_sampled_token_and_the_top_k_and_keep
     assert vllm_capture._state.steps == [] and worker.repaudit_capture_host_s() == 0  # the last capture had no step
 
 
-def test_top1_is_the_lowest_id_of_a_tie_the_top_k_left_out(fake_vllm_logprob):
-    """Three tokens share the row's largest logit and the top-2 names the two higher ids (torch.topk
-    on a GPU may): the record's top1 is still the lowest id, as the transformers engine gives it."""
+def test_the_hooks_top_k_is_the_records_order_ties_by_lowest_id(fake_vllm_logprob):
+    """Three tokens share the row's largest logit, and the capture's top-2 names the two lowest
+    (torch.topk on a GPU may name any two): the ids are the records' own top-k, in its order."""
     class Sampler:
         def __call__(self, logits, input_batch):
             return NS(sampled_token_ids=logits.argmax(-1, keepdim=True), logprobs_tensors=None, num_sampled=None)
 
     worker = _worker(Sampler())
-    assert worker.repaudit_capture_begin(2)
-    real_topk = torch.topk
-    try:  # a top-k that returns the tied ids highest first
-        torch.topk = lambda x, k, dim=-1: real_topk(x + torch.arange(x.shape[-1]) * 1e-6, k, dim=dim)
-        Sampler()(torch.tensor([[0.0, 2.0, 2.0, 2.0, 1.0]]), NS(req_ids=["a-12345678"]))
-    finally:
-        torch.topk = real_topk
-    packed = worker.repaudit_capture_end()
-    assert vllm_capture.unpack(packed)["ids"].tolist() == [[1, 3, 2]]
+    assert worker.repaudit_capture_begin(3)
+    Sampler()(torch.tensor([[0.0, 2.0, 2.0, 2.0, 1.0], [float("nan"), 5.0, -0.0, 0.0, 0.0]]),
+              NS(req_ids=["a-12345678", "b-12345678"]))
+    # A NaN above every number; -0.0 ties +0.0.
+    assert vllm_capture.unpack(worker.repaudit_capture_end())["ids"].tolist() == [[1, 1, 2, 3], [0, 0, 1, 2]]
+
+
+def test_top1_is_the_lowest_id_of_a_tie_the_top_k_left_out():
+    """A capture whose top-2 names the two higher of three tied ids (one taken with torch.topk,
+    as captures were): the record's top1 is still the lowest id, the sampled token, as the
+    transformers engine gives it."""
+    packed = _captured([(["a-12345678"], [[1, 3, 2]], [[-0.5, -0.5, -0.5]], [1])])
     out = NS(request_id="a-12345678", prompt_token_ids=[5, 6], outputs=[NS(token_ids=[1])])
     row, = vllm_capture.rows_from_capture([out], packed, ["p"], [2], topk=2)
     # the sampled token is the lowest tied id, so the list holds it too, as the transformers engine's

@@ -65,6 +65,21 @@ def widen(raw: torch.Tensor, out: torch.Tensor, parts: torch.Tensor | None) -> N
     widen_gpu(raw, out, parts)
 
 
+def top_ids(logits: torch.Tensor, first: torch.Tensor, k: int) -> torch.Tensor:
+    """[n, 1 + k] int64: each row's own id (first [n, 1]: the sampled one), then the ids of the
+    row's k largest logits [n, V] in the order defined above (vLLM's capture of a step's
+    candidates: vllm_capture)."""
+    first = first.reshape(-1, 1).to(torch.int64)
+    if k == 0:
+        return first
+    if logits.is_cuda and logits.dim() == 2 and type(logits) is torch.Tensor:
+        from .row_values_kernel import MAX_K, top_ids_gpu
+
+        if k <= MAX_K:
+            return top_ids_gpu(logits, first, k)
+    return torch.cat((first, reference_topk(logits.float(), k)[1]), dim=1)
+
+
 def row_values(logits: torch.Tensor, lp: torch.Tensor, targets: torch.Tensor, topk: int,
                parts: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """Rows of fp32 logits [n, V], their log-softmax [n, V] and the n recorded tokens ->

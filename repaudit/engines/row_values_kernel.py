@@ -23,6 +23,12 @@ digest's partial sums on its way.
 Values are moved as bits (the logprob rows are read through an int32 view, the outputs written
 through one): the kernels compare and copy, never compute a float, so every value is the
 log-softmax's own bits.
+
+top_ids_gpu is the vLLM capture's top-k of a step's 16-bit logits in the same order, by steps 1-4
+(the threshold's kernel is step 2's own; the others read the 16-bit row and keep no digest or
+logprob): a capture runs it beside vLLM's next step, where torch.topk's radix passes over the
+rows were most of the capture's GPU time. In steps 3 and 4 each (order key, column) pair is
+packed into one int64 whose order is the pair's, so a round is one reduction.
 """
 
 from __future__ import annotations
@@ -152,11 +158,72 @@ def _row_kernel(lp_ptr, lp_stride, target_ptr, key_ptr, col_ptr, part_ptr, n_seg
     tl.store(logprob_ptr + r, tl.load(lp_ptr + row * lp_stride + tl.load(target_ptr + r)))
 
 
+@triton.jit
+def _packed(keys, cols):
+    """(order key, column) -> one int64, larger for a larger key and, among equal keys, for a
+    lower column: a round's winner is one max, and no two columns share a value."""
+    return (keys.to(tl.int64) << 32) | (2147483647 - cols).to(tl.int64)
+
+
+@triton.jit
+def _logit_keys(x_ptr, x_stride, r, cols, live):
+    # The widening cast is exact, so the keys order the 16-bit values themselves.
+    x = tl.load(x_ptr + r.to(tl.int64) * x_stride + cols, mask=live, other=0).to(tl.float32)
+    return _order_key(x.to(tl.int32, bitcast=True))
+
+
+@triton.jit
+def _segment_max_kernel(x_ptr, x_stride, n_cols, top_ptr, SEG: tl.constexpr):
+    r = tl.program_id(0)
+    s = tl.program_id(1)
+    cols = s * SEG + tl.arange(0, SEG)
+    live = cols < n_cols
+    keys = tl.where(live, _logit_keys(x_ptr, x_stride, r, cols, live), -2147483648)
+    tl.store(top_ptr + r * tl.num_programs(1) + s, tl.max(keys, axis=0))
+
+
+@triton.jit
+def _segment_top_ids_kernel(x_ptr, x_stride, n_cols, top_ptr, threshold_ptr, cand_ptr,
+                            SEG: tl.constexpr, K: tl.constexpr):
+    r = tl.program_id(0)
+    s = tl.program_id(1)
+    n_seg = tl.num_programs(1)
+    out = (r * n_seg + s) * K
+    # -2**63 + 1 is below every real pair (whose key is above -2**31): an empty slot.
+    if tl.load(top_ptr + r * n_seg + s) < tl.load(threshold_ptr + r):
+        for i in tl.static_range(K):
+            tl.store(cand_ptr + out + i, -9223372036854775807)
+    else:
+        cols = s * SEG + tl.arange(0, SEG)
+        live = cols < n_cols
+        packed = tl.where(live, _packed(_logit_keys(x_ptr, x_stride, r, cols, live), cols), -9223372036854775807)
+        for i in tl.static_range(K):
+            top = tl.max(packed, axis=0)
+            tl.store(cand_ptr + out + i, top)
+            packed = tl.where(packed == top, -9223372036854775807, packed)
+
+
+@triton.jit
+def _row_top_ids_kernel(cand_ptr, n_cand, first_ptr, ids_ptr, K: tl.constexpr, CANDS: tl.constexpr):
+    r = tl.program_id(0)
+    slot = tl.arange(0, CANDS)
+    packed = tl.load(cand_ptr + r * n_cand + slot, mask=slot < n_cand, other=-9223372036854775807)
+    row = ids_ptr + r.to(tl.int64) * (K + 1)
+    tl.store(row, tl.load(first_ptr + r).to(tl.int64))
+    for j in tl.static_range(K):
+        top = tl.max(packed, axis=0)
+        tl.store(row + 1 + j, 2147483647 - (top & 0xFFFFFFFF))
+        packed = tl.where(packed == top, -9223372036854775807, packed)
+
+
 _widens = CachedKernel(_widen_kernel)
 _segments = CachedKernel(_segment_kernel)
 _thresholds = CachedKernel(_threshold_kernel)
 _candidates = CachedKernel(_candidate_kernel)
 _rows = CachedKernel(_row_kernel)
+_segment_maxima = CachedKernel(_segment_max_kernel)
+_segment_top_ids = CachedKernel(_segment_top_ids_kernel)
+_row_top_ids = CachedKernel(_row_top_ids_kernel)
 
 
 def digest_parts(n: int, vocab: int, device: torch.device) -> torch.Tensor:
@@ -226,3 +293,28 @@ def row_values_gpu(logits: torch.Tensor, lp: torch.Tensor, targets: torch.Tensor
     if topk:
         out["topk_lp"], out["topk_ids"] = lists
     return out
+
+
+def top_ids_gpu(logits: torch.Tensor, first: torch.Tensor, k: int) -> torch.Tensor:
+    """[n, 1 + k] int64: first [n, 1] (any int dtype), then the ids of each row's k largest
+    logits [n, V] (bf16, fp16 or fp32), largest first, equal values by lowest id (row_values's
+    order, on the logits), k from 1 to MAX_K."""
+    n, vocab = logits.shape
+    if not 1 <= k <= min(MAX_K, vocab):
+        raise ValueError(f"the kernels take top-k lists of 1 to {min(MAX_K, vocab)} ids here, not {k}")
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    first = first.reshape(n).contiguous()
+    n_seg = triton.cdiv(vocab, SEGMENT)
+    dev = logits.device
+    tops = torch.empty((n, n_seg), dtype=torch.int32, device=dev)
+    thresholds = torch.empty(n, dtype=torch.int32, device=dev)
+    cands = torch.empty((n, n_seg * k), dtype=torch.int64, device=dev)
+    ids = torch.empty((n, 1 + k), dtype=torch.int64, device=dev)
+    if n:
+        _segment_maxima((n, n_seg), (logits, logits.stride(0), vocab, tops), {"SEG": SEGMENT, "num_warps": 8})
+        _thresholds((n,), (tops, n_seg, thresholds), {"K": k, "SEGS": triton.next_power_of_2(n_seg), "num_warps": 1})
+        _segment_top_ids((n, n_seg), (logits, logits.stride(0), vocab, tops, thresholds, cands),
+                         {"SEG": SEGMENT, "K": k, "num_warps": 8})
+        _row_top_ids((n,), (cands, n_seg * k, first, ids), {"K": k, "CANDS": triton.next_power_of_2(n_seg * k), "num_warps": 4})
+    return ids

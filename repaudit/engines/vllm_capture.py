@@ -4,10 +4,11 @@ Asking vLLM for logprobs costs a user's generation about 30% of its tokens/s, an
 that is GPU work: each step's top-k lists are copied to the host, turned into Python lists,
 serialised to the engine process, handed to the driver and appended request by request. A
 generate cell instead asks vLLM for no logprobs and has each worker run, after every sampling
-step, the two calls vLLM's sampler makes for them (`torch.topk` of the row and
-`compute_token_logprobs` of the sampled token and the top-k ids, both on the raw logits), so
-the values are vLLM's own bits, computed by vLLM's own kernel (tbik's log-softmax in a tbik
-cell, where the plugin replaces that kernel). The steps' tensors stay on the GPU and come back
+step, what vLLM's sampler does for them (the row's top-k ids, then `compute_token_logprobs` of
+the sampled token and those ids, both on the raw logits), so the values are vLLM's own bits,
+computed by vLLM's own kernel (tbik's log-softmax in a tbik cell, where the plugin replaces
+that kernel). The top-k ids are the records' canonical ones (row_values.top_ids), not
+torch.topk's. The steps' tensors stay on the GPU and come back
 once, at the end, through vLLM's collective RPC.
 
 vLLM mixes CaptureWorker into its worker class (engine argument `worker_extension_cls`); the
@@ -55,13 +56,18 @@ def _sampling_with_capture(call):
         import torch
         from vllm.v1.worker.gpu.sample import logprob
 
+        from .row_values import top_ids
+
         # Copies, not views, on vLLM's stream: vLLM may overwrite its buffers in the next step.
         first = out.sampled_token_ids.view(-1, 1).to(torch.int64, copy=True)
         sampled = torch.ones_like(first[:, 0]) if out.num_sampled is None else out.num_sampled.clone()
         with _aside(logits, first):
-            # vLLM's fast path in compute_topk_logprobs, call for call (the module's function is
-            # looked up now, so a tbik cell gets the plugin's log-softmax).
-            ids = torch.cat((first, torch.topk(logits, _state.k, dim=-1).indices), dim=1) if _state.k else first
+            # vLLM's fast path in compute_topk_logprobs, but the top-k ids in the records' order
+            # (row_values.top_ids: two kernels where torch.topk's radix passes were most of the
+            # capture's GPU time, and ties by lowest id, where torch.topk keeps whichever it
+            # meets). The logprobs are vLLM's own call (looked up now, so a tbik cell gets the
+            # plugin's log-softmax).
+            ids = top_ids(logits, first, _state.k or 0)
             lps = logprob.compute_token_logprobs(logits, ids)
         _state.steps.append((list(input_batch.req_ids), ids, lps, sampled))
         _state.host_s += time.perf_counter() - t0

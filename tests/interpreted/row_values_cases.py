@@ -13,7 +13,7 @@ import torch  # noqa: E402
 from tbik.tl import interpret as _interpret  # noqa: E402
 
 from repaudit.engines import row_values_kernel as kernel  # noqa: E402
-from repaudit.engines.row_values import reference_topk, row_values  # noqa: E402
+from repaudit.engines.row_values import reference_topk, row_values, top_ids  # noqa: E402
 from repaudit.record.digest import row_digest  # noqa: E402
 
 _interpret.apply()
@@ -112,6 +112,31 @@ def test_widen_casts_and_takes_the_digest_partials():
             lp = torch.log_softmax(out, -1)
             targets = torch.randint(0, 2500, (n,), generator=g)
             _same(kernel.row_values_gpu(out, lp, targets, 5, parts), row_values(raw.float(), lp, targets, 5))
+
+
+def test_top_ids_are_the_references_ids():
+    """The capture's top-k ids of 16-bit and fp32 logits: the reference's ids on the widened rows,
+    after each row's own id, for ties within and across segments, NaN, -inf, -0.0, strided rows,
+    a short last segment, lists as long as a segment's live columns and a list of MAX_K."""
+    kernel.SEGMENT = 1024
+    for vocab, k in ((3000, 5), (1024, 1), (700, 7), (2100, kernel.MAX_K), (1030, 7)):
+        logits, _ = _rows(4, vocab, vocab + k)
+        logits[2, ::997] = 9.0  # the row's maximum, tied across segments
+        logits[3, -6:] = float("inf")  # in the short last segment
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            x = logits.to(dtype)
+            first = torch.arange(4, dtype=torch.int32).view(4, 1) * 3
+            want = torch.cat((first.long(), reference_topk(x.float(), k)[1]), dim=1)
+            assert torch.equal(kernel.top_ids_gpu(x, first, k), want), (vocab, k, dtype)
+    wide = torch.randn(3, 2600, generator=torch.Generator().manual_seed(5)).bfloat16()
+    first = torch.tensor([[1], [2], [3]])
+    assert torch.equal(kernel.top_ids_gpu(wide[:, :2500], first, 6), top_ids(wide[:, :2500].float(), first, 6))
+    for bad in (0, kernel.MAX_K + 1):
+        try:
+            kernel.top_ids_gpu(wide, first, bad)
+        except ValueError:
+            continue
+        raise AssertionError(f"a top-{bad} list was not refused")
 
 
 if __name__ == "__main__":
