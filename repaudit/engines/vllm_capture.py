@@ -8,8 +8,8 @@ step, what vLLM's sampler does for them (the row's top-k ids, then `compute_toke
 the sampled token and those ids, both on the raw logits), so the values are vLLM's own bits,
 computed by vLLM's own kernel (tbik's log-softmax in a tbik cell, where the plugin replaces
 that kernel). The top-k ids are the records' canonical ones (row_values.top_ids), not
-torch.topk's. The steps' tensors stay on the GPU and come back
-once, at the end, through vLLM's collective RPC.
+torch.topk's. The steps' tensors stay on the GPU and come back once, at the end, through
+vLLM's collective RPC.
 
 vLLM mixes CaptureWorker into its worker class (engine argument `worker_extension_cls`); the
 capture is off until the driver turns it on for one generate call, so `LLM.generate` without
@@ -63,7 +63,7 @@ def _sampling_with_capture(call):
         sampled = torch.ones_like(first[:, 0]) if out.num_sampled is None else out.num_sampled.clone()
         with _aside(logits, first):
             # vLLM's fast path in compute_topk_logprobs, but the top-k ids in the records' order
-            # (row_values.top_ids: two kernels where torch.topk's radix passes were most of the
+            # (row_values.top_ids: four kernels where torch.topk's radix passes were most of the
             # capture's GPU time, and ties by lowest id, where torch.topk keeps whichever it
             # meets). The logprobs are vLLM's own call (looked up now, so a tbik cell gets the
             # plugin's log-softmax).
