@@ -92,13 +92,14 @@ class Timing:
         self.generated_tokens += other.generated_tokens
 
     def as_dict(self) -> dict[str, float | int | None]:
-        rate = lambda n, s: n / s if s > 0 else None  # noqa: E731
+        # No tokens, no rate: a decode loop that ran no step (max_new_tokens=1) still spends a few
+        # microseconds, and "0 tok/s" would read as a decode that made no progress.
+        rate = lambda n, s: n / s if n and s > 0 else None  # noqa: E731
         return {
             "prefill_s": self.prefill_s, "prefill_tokens": self.prefill_tokens,
             "prefill_tokens_per_s": rate(self.prefill_tokens, self.prefill_s),
             "decode_s": self.decode_s, "decode_tokens": self.decode_tokens,
             "decode_tokens_per_s": rate(self.decode_tokens, self.decode_s), "mixed_s": self.mixed_s,
             "generated_tokens": self.generated_tokens,
-            "generated_tokens_per_s": rate(self.generated_tokens, self.prefill_s + self.decode_s + self.mixed_s)
-            if self.generated_tokens else None,
+            "generated_tokens_per_s": rate(self.generated_tokens, self.prefill_s + self.decode_s + self.mixed_s),
         }
