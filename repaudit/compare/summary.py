@@ -15,7 +15,7 @@ from ..run.plan import CELL_SETTINGS, Cell, Plan, reference_delta, reference_pai
 from ..run.scenarios import COLD
 from ..run.rundir import Manifest
 from .gate import RunInfo, gate_run
-from .render import pct
+from .render import pct, rate_text
 from .result import Thresholds, json_float
 
 
@@ -148,10 +148,6 @@ def price_line(p: dict[str, Any]) -> str:
     return line
 
 
-def _fmt_rate(x: float | None) -> str:
-    return "—" if x is None else f"{x:,.0f}"
-
-
 def _bitwise(r: dict[str, Any]) -> str:
     if "compared" not in r:
         return "—"
@@ -174,7 +170,7 @@ def table_rows(summary: dict[str, Any]) -> list[list[str]]:
             "—" if is_ref or "abs_max" not in r else str(r["abs_max"]),  # a float's shortest text, or "inf"/"nan"
             "—" if is_ref or first is None else f"pos {first} ({r['prompts_diverged']}/{r['prompts']} prompts)",
             "—" if is_ref else _seq(r),
-            _fmt_rate(r["tokens_per_s"]),
+            rate_text(r["tokens_per_s"]),
         ])
     return out
 

@@ -402,7 +402,7 @@ def _speed(data: ReportData) -> str:
             v = r[key]
             if v is None:
                 return _td("—", "num")
-            return _td(svg.bar(v, top, f"{r['cell']}: {v:,.1f} {key}") + e(rate(v)), "num", raw=True)
+            return _td(svg.bar(v, top, f"{r['cell']}: {rate(v)} {key}") + e(rate(v)), "num", raw=True)
         body.append([_td(f"<code>{e(r['cell'])}</code>", raw=True), _td(r["group"]),
                      _td(r["status"], "" if r["status"] == "done" else "hl"), _td(secs(r["seconds"]), "num"),
                      cell("prefill tok/s", top_p), cell("decode tok/s", top_d), cell("generated tok/s", top_g),

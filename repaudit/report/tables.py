@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ..compare.render import held, num, one_sided, pct
+from ..compare.render import held, num, one_sided, pct, rate_text
 from ..compare.result import DiffResult
 from .analysis import RATIO_CENTER, LogRatioHistogram, PairView, PromptDivergence, UlpHistogram, bin_label, log_ratio_position
 from .build import CellView, ReportData
@@ -171,7 +171,7 @@ def timing_rows(data: ReportData) -> list[dict[str, Any]]:
 
 
 def rate(x: float | None) -> str:
-    return "—" if x is None else f"{x:,.0f}"
+    return rate_text(x)
 
 
 def secs(x: float | None) -> str:

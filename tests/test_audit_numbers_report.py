@@ -1,0 +1,25 @@
+"""Audit: numbers the run summary and `repaudit report` print, against what they stand for."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+
+@pytest.mark.parametrize("tok_s, text", [(0.4, "0.4"), (0.004, "0.004"), (3.25, "3.2"), (12_345.6, "12,346")])
+def test_a_slow_cells_tokens_per_s_never_reads_as_zero(tok_s, text):
+    """Tokens/s printed as whole numbers made a 0.4 tok/s cell (a large model on CPU) read "0" in
+    summary.md, the terminal table and the report's speed table."""
+    from repaudit.compare.summary import summary_markdown, table_rows
+    from repaudit.report.tables import rate, timing_rows
+
+    row = {"cell": "r", "reference": "r", "status": "done", "tokens_per_s": tok_s}
+    summary = {"baseline": "r", "reference_per": ["kernels"], "cells": [row], "identical_cells": 0,
+               "compared_cells": 0, "price": []}
+    assert table_rows(summary)[0][-1] == text
+    assert f"| {text} |" in summary_markdown(summary)
+    timing = {"prefill_tokens_per_s": tok_s, "decode_tokens_per_s": tok_s, "generated_tokens_per_s": tok_s}
+    cells = [SimpleNamespace(id="c", status="done", seconds=1.0, timing=timing, group="g")]
+    shown = timing_rows(SimpleNamespace(cells=cells))[0]
+    assert [rate(shown[k]) for k in ("prefill tok/s", "decode tok/s", "generated tok/s")] == [text] * 3
