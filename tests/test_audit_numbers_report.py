@@ -23,3 +23,20 @@ def test_a_slow_cells_tokens_per_s_never_reads_as_zero(tok_s, text):
     cells = [SimpleNamespace(id="c", status="done", seconds=1.0, timing=timing, group="g")]
     shown = timing_rows(SimpleNamespace(cells=cells))[0]
     assert [rate(shown[k]) for k in ("prefill tok/s", "decode tok/s", "generated tok/s")] == [text] * 3
+
+
+def test_token_counts_show_only_where_the_engine_timed_that_phase():
+    """A vLLM generate cell times prefill and decode as one (mixed_s) and so holds prefill_tokens = 0
+    and decode_tokens = 0: the report's speed table said it prefilled 0 tokens and decoded 0, and had
+    no column for the tokens it did generate."""
+    from repaudit.engines.base import Timing
+    from repaudit.report.tables import timing_rows
+
+    timings = {"vllm-generate": Timing(mixed_s=4.0, generated_tokens=32), "hf-score": Timing(prefill_s=1.0, prefill_tokens=90),
+               "hf-generate": Timing(prefill_s=1.0, prefill_tokens=40, decode_s=1e-5, decode_tokens=0, generated_tokens=4)}
+    cells = [SimpleNamespace(id=k, status="done", seconds=5.0, timing=t.as_dict(), group="g") for k, t in timings.items()]
+    rows = {r["cell"]: r for r in timing_rows(SimpleNamespace(cells=cells))}
+    counts = lambda r: (r["prefill tokens"], r["decode tokens"], r["generated tokens"])  # noqa: E731
+    assert counts(rows["vllm-generate"]) == (None, None, 32)
+    assert counts(rows["hf-score"]) == (90, None, None)
+    assert counts(rows["hf-generate"]) == (40, 0, 4)  # a decode loop that ran no step: truly 0 decoded

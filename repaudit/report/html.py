@@ -406,7 +406,8 @@ def _speed(data: ReportData) -> str:
         body.append([_td(f"<code>{e(r['cell'])}</code>", raw=True), _td(r["group"]),
                      _td(r["status"], "" if r["status"] == "done" else "hl"), _td(secs(r["seconds"]), "num"),
                      cell("prefill tok/s", top_p), cell("decode tok/s", top_d), cell("generated tok/s", top_g),
-                     _td(value_text(r["prefill tokens"]), "num"), _td(value_text(r["decode tokens"]), "num")])
+                     _td(value_text(r["prefill tokens"]), "num"), _td(value_text(r["decode tokens"]), "num"),
+                     _td(value_text(r["generated tokens"]), "num")])
     groups = _table(["launch group", "cells", "model load s", "attempts"],
                     [[_td(f"<code>{e(g.id)}</code>", raw=True), _td(len(g.cells), "num"),
                       _td(" + ".join(f"{x:.2f}" for x in g.load_s) or "—", "num"), _td(value_text(g.attempts), "num")]
@@ -417,7 +418,7 @@ def _speed(data: ReportData) -> str:
             "every generated token over all the cell's engine time). A launch group loads the model once for all "
             f"its cells.</p><p>{e(timing_totals(data))}</p>"
             + _table(["cell", "launch group", "status", "seconds", "prefill tok/s", "decode tok/s", "generated tok/s",
-                      "prefill tokens", "decode tokens"], body) + groups)
+                      "prefill tokens", "decode tokens", "generated tokens"], body) + groups)
 
 
 def _environment(data: ReportData) -> str:

@@ -165,7 +165,11 @@ def timing_rows(data: ReportData) -> list[dict[str, Any]]:
             "cell": c.id, "status": c.status or "—", "seconds": c.seconds,
             "prefill tok/s": t.get("prefill_tokens_per_s"), "decode tok/s": t.get("decode_tokens_per_s"),
             "generated tok/s": t.get("generated_tokens_per_s"),
-            "prefill tokens": t.get("prefill_tokens"), "decode tokens": t.get("decode_tokens"), "group": c.group or "—",
+            # A count is shown only where the engine timed that phase apart: a vLLM generate cell
+            # (prefill and decode interleaved, all in mixed_s) holds 0 for both, not its real counts.
+            "prefill tokens": t.get("prefill_tokens") if t.get("prefill_s") else None,
+            "decode tokens": t.get("decode_tokens") if t.get("decode_s") else None,
+            "generated tokens": t.get("generated_tokens") or None, "group": c.group or "—",
         })
     return rows
 
