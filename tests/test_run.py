@@ -135,13 +135,22 @@ def test_two_nodes_on_localhost_match_one_node(matrix_run: Path, tmp_path: Path)
 
 def test_inside_an_existing_torchrun_job(matrix_run: Path, tmp_path: Path):
     out = tmp_path / "inplace"
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                           "-m", "repaudit", "run", "--probes", "smoke", "--kernels", "stock", "--tp", "2", "--batch-size", "4",
-                           "--mode", "generate", "--out", str(out)], capture_output=True, text=True, timeout=600)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "repaudit", "run",
+           "--probes", "smoke", "--kernels", "stock", "--tp", "2", "--batch-size", "4", "--mode", "generate", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     cid = "hf-tp2-bs4-default-stock-generate"
     assert diff_records(cell_path(out, cid), cell_path(matrix_run, cid)).identical
-    assert json.loads((out / "manifest.json").read_text())["cells"][cid]["status"] == "done"
+    first = json.loads((out / "manifest.json").read_text())
+    assert first["cells"][cid]["status"] == "done"
+    # Run again: the cell is reused, and the first run's events (left in the job folder) are not
+    # read as this run's: no second model load, no cell done again with the first run's numbers.
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    again = json.loads((out / "manifest.json").read_text())
+    assert again["cells"][cid].get("reused") and again["cells"][cid]["timing"] == first["cells"][cid]["timing"]
+    assert [g["load_s"] for g in again["groups"].values()] == [g["load_s"] for g in first["groups"].values()]
+    assert f"done {cid}" not in proc.stdout
 
 
 def test_chat_suite_goes_through_the_chat_template(tmp_path: Path):

@@ -400,10 +400,9 @@ def _run_groups(plan, opts, run_dir, manifest, settings, already, prompts, ref, 
                     fields.update(seconds=oc.seconds, rows=oc.rows, timing=oc.timing, ranks_differ=oc.ranks_differ)
                 entry.update(fields)
                 # Why its crashed tries ended: a crash is news even when a retry got through.
+                entry.pop("retried", None)
                 if cid in outcome.retried:
                     entry["retried"] = outcome.retried[cid]
-                else:
-                    entry.pop("retried", None)
             manifest.save()
 
 
@@ -430,15 +429,16 @@ def _side_by_side_gpus(plan: Plan, opts: RunOptions, inplace: bool) -> list[str]
 
 
 def _run_inplace(spec: JobSpec, job_dir: Path, nccl_env: dict[str, str], on_event) -> GroupOutcome:
-    """One group inside the caller's torchrun job. There is no supervisor here: a failing cell
-    ends the processes (torchrun reports it) and timeouts are not enforced."""
+    """One group inside the caller's torchrun job: no supervisor (a failing cell ends the
+    processes, torchrun reports it), no timeouts."""
     from .worker import run_job
 
     os.environ.update(nccl_env)  # read by NCCL when the worker creates its communicator
     spec.events_dir = str(job_dir / f"{spec.group_id}.inplace")
+    begun = time.time()  # the folder outlives a run: an earlier run's events in it are not this one's
     run_job(spec)
     outcome = GroupOutcome(attempts=1)
-    for ev in EventReader(Path(spec.events_dir)).poll():
+    for ev in (e for e in EventReader(Path(spec.events_dir)).poll() if e["t"] >= begun):
         on_event(ev)
         if ev["event"] == "loaded" and ev["rank"] == 0:
             outcome.load_seconds.append(ev["seconds"])
