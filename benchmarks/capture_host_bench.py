@@ -42,7 +42,7 @@ def main() -> None:
     args = ap.parse_args()
     from vllm.v1.worker.gpu.sample import logprob
 
-    from repaudit.engines import vllm_capture
+    from repaudit.engines import row_values, vllm_capture
 
     logits = torch.randn(args.rows, args.vocab, device="cuda")
     sampled = logits.argmax(-1).to(torch.int32)
@@ -89,6 +89,7 @@ def main() -> None:
         "ones_like": lambda: torch.ones_like(first[:, 0]),
         "side stream: wait, enter, exit, record_stream x2": aside,
         "topk": lambda: torch.topk(logits, args.k, dim=-1),
+        "row_values.top_ids (the capture's top-k ids, four launches)": lambda: row_values.top_ids(logits, first, args.k),
         "cat": lambda: torch.cat((first, ids[:, 1:]), dim=1),
         "compute_token_logprobs (vLLM's Triton launch)": lambda: logprob.compute_token_logprobs(logits, ids),
         "argmax": lambda: logits.argmax(dim=-1),
