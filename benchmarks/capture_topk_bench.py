@@ -1,4 +1,4 @@
-"""The vLLM capture's top-k ids of a step's logits: repaudit's two kernels (row_values.top_ids)
+"""The vLLM capture's top-k ids of a step's logits: repaudit's four kernels (row_values.top_ids)
 against what the capture ran before, torch.topk and a cat behind the sampled ids. bf16 rows of
 Qwen3's vocabulary, as vLLM's sampler hands them over. GPU time: CUDA-event medians of one call
 in a CUDA graph; host time: the median of eager calls; and whether each gives the records' ids
