@@ -40,3 +40,29 @@ def test_token_counts_show_only_where_the_engine_timed_that_phase():
     assert counts(rows["vllm-generate"]) == (None, None, 32)
     assert counts(rows["hf-score"]) == (90, None, None)
     assert counts(rows["hf-generate"]) == (40, 0, 4)  # a decode loop that ran no step: truly 0 decoded
+
+
+@pytest.mark.parametrize("ratio, text", [(0.0042, "0.0042x"), (0.05, "0.05x"), (0.62, "0.62x"), (1.234, "1.23x")])
+def test_a_small_speed_ratio_never_reads_as_zero(ratio, text):
+    """Ratios printed with two decimals made a mode at 0.004x of stock's tokens/s read "0.00x" in the
+    run summary's price line and the report's tiles."""
+    from repaudit.compare.summary import price_line
+    from repaudit.units import ratio_text
+
+    assert ratio_text(ratio) == text
+    p = {"kernels": "tbik", "identical": 1, "compared": 2, "speed_vs_stock": ratio, "speed_pairs": 3}
+    assert price_line(p).endswith(f", at {text} stock's tokens/s (3 cells)")
+    cold = {"scenario": "prefix-hit", "kernels": "stock", "identical": 1, "compared": 1, "speed_vs_cold": ratio,
+            "speed_pairs": 1}
+    assert f", at {text} cold's tokens/s" in price_line(cold)
+
+
+@pytest.mark.parametrize("timing, text", [({"generated_tokens_per_s": 0.4, "prefill_tokens_per_s": 9.0}, "0.4 tok/s"),
+                                          ({"prefill_tokens_per_s": 0.03}, "0.03 tok/s"),
+                                          ({"prefill_tokens_per_s": 1234.5}, "1,234 tok/s")])
+def test_the_runners_done_line_prints_a_slow_rate(timing, text):
+    """The runner's `done <cell> ... tok/s` line printed rates as whole numbers: 0.4 tok/s read 0."""
+    from repaudit.run.events import done_line
+
+    assert done_line("c", {"seconds": 2.0, "timing": timing}) == f"[green]done[/] c  2.0s  {text}"
+    assert done_line("c", {"seconds": 2.0, "timing": {}}) == "[green]done[/] c  2.0s"

@@ -25,14 +25,6 @@ def pct(num: int, den: int) -> str:
     return f"{basis_points // 100}.{basis_points % 100:02d}%"
 
 
-def rate_text(x: float | None) -> str:
-    """Tokens/s: whole numbers from 10 up, two significant digits below, so that a slow cell (a large
-    model on CPU, 0.4 tok/s) never reads as 0 tok/s."""
-    if x is None:
-        return "—"
-    return f"{x:,.0f}" if x >= 10 else f"{x:.2g}"
-
-
 def num(x: Any) -> str:
     """Exact float text (shortest repr that round-trips), ints as ints."""
     return repr(float(x)) if isinstance(x, float) else str(x)

@@ -15,7 +15,8 @@ from ..run.plan import CELL_SETTINGS, Cell, Plan, reference_delta, reference_pai
 from ..run.scenarios import COLD
 from ..run.rundir import Manifest
 from .gate import RunInfo, gate_run
-from .render import pct, rate_text
+from ..units import rate_text, ratio_text
+from .render import pct
 from .result import Thresholds, json_float
 
 
@@ -144,7 +145,7 @@ def price_line(p: dict[str, Any]) -> str:
         line = f"{p['kernels']}: {p['identical']} of {p['compared']} cells bitwise identical to their reference"
         speed, against = (p["speed_vs_stock"] if p["kernels"] != "stock" else None), "stock"
     if speed is not None:
-        line += f", at {speed:.2f}x {against}'s tokens/s ({p['speed_pairs']} cells)"
+        line += f", at {ratio_text(speed)} {against}'s tokens/s ({p['speed_pairs']} cells)"
     return line
 
 
@@ -252,7 +253,7 @@ def summary_markdown(summary: dict[str, Any]) -> str:
 
 
 def _speed(x: float | None, p: dict[str, Any]) -> str:
-    return "—" if x is None else f"{x:.2f}x ({p['speed_pairs']} cells)"
+    return "—" if x is None else f"{ratio_text(x)} ({p['speed_pairs']} cells)"
 
 
 def _retries(summary: dict[str, Any]) -> list[tuple[str, list[str]]]:

@@ -8,6 +8,7 @@ from fractions import Fraction
 from ..compare.render import num, pct, verdict_line
 from ..compare.summary import price_list, tokens_per_s
 from ..run.plan import CELL_SETTINGS
+from ..units import ratio_text
 from .build import ReportData
 
 
@@ -50,7 +51,7 @@ def price_tiles(data: ReportData) -> list[Tile]:
         else:
             label, speed = f"{p['kernels']}: speed vs stock", (p["speed_vs_stock"] if p["kernels"] != "stock" else None)
         if speed is not None:
-            out.append(Tile(label, f"{speed:.2f}x", f"tokens/s over {p['speed_pairs']} cells · keeps "
+            out.append(Tile(label, ratio_text(speed), f"tokens/s over {p['speed_pairs']} cells · keeps "
                             f"{p['identical']}/{p['compared']} identical", "pass" if p["identical"] == p["compared"] else "fail"))
     return out
 

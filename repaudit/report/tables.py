@@ -5,7 +5,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ..compare.render import held, num, one_sided, pct, rate_text
+from ..compare.render import held, num, one_sided, pct
+from ..units import rate_text
 from ..compare.result import DiffResult
 from .analysis import RATIO_CENTER, LogRatioHistogram, PairView, PromptDivergence, UlpHistogram, bin_label, log_ratio_position
 from .build import CellView, ReportData

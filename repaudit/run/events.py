@@ -12,6 +12,8 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
+from ..units import rate_text
+
 
 class EventWriter:
     def __init__(self, directory: Path, rank: int):
@@ -46,3 +48,11 @@ class EventReader:
                     yield json.loads(line)
                 except ValueError:
                     continue
+
+
+def done_line(cell: str, event: dict[str, Any]) -> str:
+    """The console's line for a cell_done event: its seconds and its tokens/s (generated tokens for
+    generate, prefill tokens for score), a slow rate with two significant digits, not 0."""
+    t = event["timing"]
+    rate = t.get("generated_tokens_per_s") or t.get("prefill_tokens_per_s")
+    return f"[green]done[/] {cell}  {event['seconds']:.1f}s" + (f"  {rate_text(rate)} tok/s" if rate else "")

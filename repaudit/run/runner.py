@@ -25,7 +25,7 @@ from ..files import write_text_atomic
 from ..probes import Suite, load_suite
 from ..record.fingerprint import environment
 from ..record.io import RecordMeta, read_meta
-from .events import EventReader
+from .events import EventReader, done_line
 from .jobspec import JobSpec, PromptSpec, cell_path
 from .launch import CellOutcome, GroupOutcome, Rendezvous, run_group
 from .model import ModelRef, load_tokenizer, model_shape, resolve_model, stop_ids, tokenize, tokenizer_meta
@@ -326,9 +326,7 @@ def _run_groups(plan, opts, run_dir, manifest, settings, already, prompts, ref, 
                     manifest.set_cell(cid, status="done", reason=None, reused=False,
                                       **{k: ev[k] for k in _CELL_NUMBERS})
                 progress.advance(cells_task)
-                t = ev["timing"]
-                rate = t.get("generated_tokens_per_s") or t.get("prefill_tokens_per_s")  # generate, else score
-                progress.console.print(f"[green]done[/] {cid}  {ev['seconds']:.1f}s" + (f"  {rate:,.0f} tok/s" if rate else ""))
+                progress.console.print(done_line(cid, ev))
             elif kind == "cell_retry":
                 progress.console.print(f"[yellow]retry[/] {cid} (try {ev['attempt']}): {escape(ev['reason'])}")
             elif kind == "job_retry":
@@ -357,8 +355,7 @@ def _run_groups(plan, opts, run_dir, manifest, settings, already, prompts, ref, 
             spec = JobSpec(
                 group_id=group.id, engine=group.engine, model_path=str(ref.path), dtype=plan.matrix.dtype,
                 device=plan.matrix.device, tp=group.tp, out_dir=str(run_dir), events_dir="",
-                cells=[settings[c.id] for c in cells],
-                prompts=prompts, stop_ids=list(stops), pad_id=pad_id, topk=plan.matrix.topk,
+                cells=[settings[c.id] for c in cells], prompts=prompts, stop_ids=list(stops), pad_id=pad_id, topk=plan.matrix.topk,
                 reference_cell=reference_cell.id if reference_cell else None, probes=suite.meta, tokenizer=tok_meta,
                 model={"id": ref.id, "weights_sha256": ref.weights_sha256}, cpu_threads=opts.cpu_threads,
                 trust_remote_code=opts.trust_remote_code, extra={"trace": plan.matrix.trace, "vllm_args": plan.matrix.vllm_args,
