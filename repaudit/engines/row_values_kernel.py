@@ -20,15 +20,17 @@ digest's partial sums on its way.
    (uint64, mod 2^64: the order of the additions changes no bit), the top-1 and the recorded
    token's logprob.
 
+In steps 3 and 4 each (order key, column) pair is packed into one int64 whose order is the
+pair's, so a round is one max reduction.
+
 Values are moved as bits (the logprob rows are read through an int32 view, the outputs written
 through one): the kernels compare and copy, never compute a float, so every value is the
 log-softmax's own bits.
 
-top_ids_gpu is the vLLM capture's top-k of a step's 16-bit logits in the same order, by steps 1-4
-(the threshold's kernel is step 2's own; the others read the 16-bit row and keep no digest or
-logprob): a capture runs it beside vLLM's next step, where torch.topk's radix passes over the
-rows were most of the capture's GPU time. In steps 3 and 4 each (order key, column) pair is
-packed into one int64 whose order is the pair's, so a round is one reduction.
+top_ids_gpu is the vLLM capture's top-k of a step's 16-bit logits in the same order, by the same
+kernels 1-3 (reading the 16-bit row, without the digest) and a step 4 that writes only the ids:
+a capture runs it beside vLLM's next step, where torch.topk's radix passes over the rows were
+most of the capture's GPU time.
 """
 
 from __future__ import annotations
@@ -43,8 +45,8 @@ from ..record.digest_kernel import BASE, INT_VIEW, mix
 SEGMENT = 4096
 WIDEN_ROWS = 4  # rows per widen program: its column keys are hashed once for them
 MAX_K = 32  # k rounds are unrolled; row_values takes a longer list from reference_topk
-# In the kernels, -2**31 is below every value's key (an empty candidate slot, a dead column)
-# and 2**31 - 1 a column past every row.
+# In the kernels, -2**31 is below every value's key (a dead column) and -2**63 + 1 below every
+# packed (key, column) pair (an empty candidate slot).
 
 
 @triton.jit
@@ -78,21 +80,31 @@ def _widen_kernel(raw_ptr, raw_stride, out_ptr, out_stride, n_rows, n_cols, base
 
 
 @triton.jit
-def _segment_kernel(lp_ptr, logit_ptr, lp_stride, logit_stride, n_cols, offset, base, mask,
+def _keys(x_ptr, x_stride, r, cols, live):
+    """Order keys of row r's columns: fp32 bits read through an int32 view (the logprob rows), or
+    16-bit or fp32 values (logits) widened, which is exact, so the keys order the values
+    themselves. Dead columns: -2**31."""
+    x = tl.load(x_ptr + r.to(tl.int64) * x_stride + cols, mask=live, other=0)
+    if x.dtype != tl.int32:
+        x = x.to(tl.float32).to(tl.int32, bitcast=True)
+    return tl.where(live, _order_key(x), -2147483648)
+
+
+@triton.jit
+def _segment_kernel(x_ptr, logit_ptr, x_stride, logit_stride, n_cols, offset, base, mask,
                     part_ptr, top_ptr, SEG: tl.constexpr, DIGEST: tl.constexpr):
     r = tl.program_id(0)
     s = tl.program_id(1)
     n_seg = tl.num_programs(1)
     cols = s * SEG + tl.arange(0, SEG)
     live = cols < n_cols
-    row = r.to(tl.int64)
 
     if DIGEST:
+        row = r.to(tl.int64)
         bits = (tl.load(logit_ptr + row * logit_stride + cols, mask=live, other=0).to(tl.int64) & mask).to(tl.uint64)
         acc = tl.where(live, mix(bits ^ mix((cols + offset).to(tl.uint64) + base)), 0)
         tl.store(part_ptr + r * n_seg + s, tl.sum(acc, axis=0).to(tl.int64, bitcast=True))
-    keys = tl.where(live, _order_key(tl.load(lp_ptr + row * lp_stride + cols, mask=live, other=0)), -2147483648)
-    tl.store(top_ptr + r * n_seg + s, tl.max(keys, axis=0))
+    tl.store(top_ptr + r * n_seg + s, tl.max(_keys(x_ptr, x_stride, r, cols, live), axis=0))
 
 
 @triton.jit
@@ -109,56 +121,6 @@ def _threshold_kernel(top_ptr, n_seg, threshold_ptr, K: tl.constexpr, SEGS: tl.c
 
 
 @triton.jit
-def _candidate_kernel(lp_ptr, lp_stride, n_cols, top_ptr, threshold_ptr, key_ptr, col_ptr,
-                      SEG: tl.constexpr, K: tl.constexpr):
-    r = tl.program_id(0)
-    s = tl.program_id(1)
-    n_seg = tl.num_programs(1)
-    out = (r * n_seg + s) * K
-    if tl.load(top_ptr + r * n_seg + s) < tl.load(threshold_ptr + r):
-        for i in tl.static_range(K):
-            tl.store(key_ptr + out + i, -2147483648)
-            tl.store(col_ptr + out + i, 2147483647)
-    else:
-        cols = s * SEG + tl.arange(0, SEG)
-        live = cols < n_cols
-        keys = tl.load(lp_ptr + r.to(tl.int64) * lp_stride + cols, mask=live, other=0)
-        keys = tl.where(live, _order_key(keys), -2147483648)
-        for i in tl.static_range(K):
-            top = tl.max(keys, axis=0)
-            col = tl.min(tl.where(keys == top, cols, 2147483647), axis=0)
-            tl.store(key_ptr + out + i, top)
-            tl.store(col_ptr + out + i, col)
-            keys = tl.where(cols == col, -2147483648, keys)
-
-
-@triton.jit
-def _row_kernel(lp_ptr, lp_stride, target_ptr, key_ptr, col_ptr, part_ptr, n_seg,
-                logprob_ptr, top1_ptr, digest_ptr, topk_lp_ptr, topk_id_ptr,
-                K: tl.constexpr, TOPK: tl.constexpr, CANDS: tl.constexpr, SEGS: tl.constexpr):
-    r = tl.program_id(0)
-    row = r.to(tl.int64)
-    slot = tl.arange(0, CANDS)
-    live = slot < n_seg * K
-    keys = tl.load(key_ptr + r * n_seg * K + slot, mask=live, other=-2147483648)
-    cols = tl.load(col_ptr + r * n_seg * K + slot, mask=live, other=2147483647)
-    for j in tl.static_range(K):
-        top = tl.max(keys, axis=0)
-        col = tl.min(tl.where(keys == top, cols, 2147483647), axis=0)
-        if j == 0:
-            tl.store(top1_ptr + r, col.to(tl.int64))
-        if TOPK:
-            tl.store(topk_id_ptr + r * K + j, col.to(tl.int64))
-            tl.store(topk_lp_ptr + r * K + j, tl.load(lp_ptr + row * lp_stride + col))
-        keys = tl.where(cols == col, -2147483648, keys)
-
-    seg = tl.arange(0, SEGS)
-    parts = tl.load(part_ptr + r * n_seg + seg, mask=seg < n_seg, other=0).to(tl.uint64, bitcast=True)
-    tl.store(digest_ptr + r, tl.sum(parts, axis=0).to(tl.int64, bitcast=True))
-    tl.store(logprob_ptr + r, tl.load(lp_ptr + row * lp_stride + tl.load(target_ptr + r)))
-
-
-@triton.jit
 def _packed(keys, cols):
     """(order key, column) -> one int64, larger for a larger key and, among equal keys, for a
     lower column: a round's winner is one max, and no two columns share a value."""
@@ -166,41 +128,52 @@ def _packed(keys, cols):
 
 
 @triton.jit
-def _logit_keys(x_ptr, x_stride, r, cols, live):
-    # The widening cast is exact, so the keys order the 16-bit values themselves.
-    x = tl.load(x_ptr + r.to(tl.int64) * x_stride + cols, mask=live, other=0).to(tl.float32)
-    return _order_key(x.to(tl.int32, bitcast=True))
+def _pop(packed):
+    """The largest pair's column, and the pairs without it (its slot emptied)."""
+    top = tl.max(packed, axis=0)
+    return 2147483647 - (top & 0xFFFFFFFF), tl.where(packed == top, -9223372036854775807, packed)
 
 
 @triton.jit
-def _segment_max_kernel(x_ptr, x_stride, n_cols, top_ptr, SEG: tl.constexpr):
-    r = tl.program_id(0)
-    s = tl.program_id(1)
-    cols = s * SEG + tl.arange(0, SEG)
-    live = cols < n_cols
-    keys = tl.where(live, _logit_keys(x_ptr, x_stride, r, cols, live), -2147483648)
-    tl.store(top_ptr + r * tl.num_programs(1) + s, tl.max(keys, axis=0))
-
-
-@triton.jit
-def _segment_top_ids_kernel(x_ptr, x_stride, n_cols, top_ptr, threshold_ptr, cand_ptr,
-                            SEG: tl.constexpr, K: tl.constexpr):
+def _candidate_kernel(x_ptr, x_stride, n_cols, top_ptr, threshold_ptr, cand_ptr,
+                      SEG: tl.constexpr, K: tl.constexpr):
     r = tl.program_id(0)
     s = tl.program_id(1)
     n_seg = tl.num_programs(1)
     out = (r * n_seg + s) * K
-    # -2**63 + 1 is below every real pair (whose key is above -2**31): an empty slot.
     if tl.load(top_ptr + r * n_seg + s) < tl.load(threshold_ptr + r):
         for i in tl.static_range(K):
             tl.store(cand_ptr + out + i, -9223372036854775807)
     else:
         cols = s * SEG + tl.arange(0, SEG)
         live = cols < n_cols
-        packed = tl.where(live, _packed(_logit_keys(x_ptr, x_stride, r, cols, live), cols), -9223372036854775807)
+        packed = tl.where(live, _packed(_keys(x_ptr, x_stride, r, cols, live), cols), -9223372036854775807)
         for i in tl.static_range(K):
             top = tl.max(packed, axis=0)
             tl.store(cand_ptr + out + i, top)
             packed = tl.where(packed == top, -9223372036854775807, packed)
+
+
+@triton.jit
+def _row_kernel(lp_ptr, lp_stride, target_ptr, cand_ptr, part_ptr, n_seg,
+                logprob_ptr, top1_ptr, digest_ptr, topk_lp_ptr, topk_id_ptr,
+                K: tl.constexpr, TOPK: tl.constexpr, CANDS: tl.constexpr, SEGS: tl.constexpr):
+    r = tl.program_id(0)
+    row = r.to(tl.int64)
+    slot = tl.arange(0, CANDS)
+    packed = tl.load(cand_ptr + r * n_seg * K + slot, mask=slot < n_seg * K, other=-9223372036854775807)
+    for j in tl.static_range(K):
+        col, packed = _pop(packed)
+        if j == 0:
+            tl.store(top1_ptr + r, col)
+        if TOPK:
+            tl.store(topk_id_ptr + r * K + j, col)
+            tl.store(topk_lp_ptr + r * K + j, tl.load(lp_ptr + row * lp_stride + col))
+
+    seg = tl.arange(0, SEGS)
+    parts = tl.load(part_ptr + r * n_seg + seg, mask=seg < n_seg, other=0).to(tl.uint64, bitcast=True)
+    tl.store(digest_ptr + r, tl.sum(parts, axis=0).to(tl.int64, bitcast=True))
+    tl.store(logprob_ptr + r, tl.load(lp_ptr + row * lp_stride + tl.load(target_ptr + r)))
 
 
 @triton.jit
@@ -211,9 +184,8 @@ def _row_top_ids_kernel(cand_ptr, n_cand, first_ptr, ids_ptr, K: tl.constexpr, C
     row = ids_ptr + r.to(tl.int64) * (K + 1)
     tl.store(row, tl.load(first_ptr + r).to(tl.int64))
     for j in tl.static_range(K):
-        top = tl.max(packed, axis=0)
-        tl.store(row + 1 + j, 2147483647 - (top & 0xFFFFFFFF))
-        packed = tl.where(packed == top, -9223372036854775807, packed)
+        col, packed = _pop(packed)
+        tl.store(row + 1 + j, col)
 
 
 _widens = CachedKernel(_widen_kernel)
@@ -221,8 +193,6 @@ _segments = CachedKernel(_segment_kernel)
 _thresholds = CachedKernel(_threshold_kernel)
 _candidates = CachedKernel(_candidate_kernel)
 _rows = CachedKernel(_row_kernel)
-_segment_maxima = CachedKernel(_segment_max_kernel)
-_segment_top_ids = CachedKernel(_segment_top_ids_kernel)
 _row_top_ids = CachedKernel(_row_top_ids_kernel)
 
 
@@ -266,8 +236,7 @@ def row_values_gpu(logits: torch.Tensor, lp: torch.Tensor, targets: torch.Tensor
         logits = logits.contiguous()
     view, mask = INT_VIEW[logits.dtype]
     n_seg = triton.cdiv(vocab, SEGMENT)
-    keys = torch.empty((n, n_seg * k), dtype=torch.int32, device=dev)
-    cols = torch.empty_like(keys)
+    cands = torch.empty((n, n_seg * k), dtype=torch.int64, device=dev)
     digest = parts is None
     if digest:
         parts = digest_parts(n, vocab, dev)
@@ -279,13 +248,13 @@ def row_values_gpu(logits: torch.Tensor, lp: torch.Tensor, targets: torch.Tensor
                            parts, tops), {"SEG": SEGMENT, "DIGEST": digest, "num_warps": 8})
     thresholds = torch.empty(n, dtype=torch.int32, device=dev)
     _thresholds((n,), (tops, n_seg, thresholds), {"K": k, "SEGS": triton.next_power_of_2(n_seg), "num_warps": 1})
-    _candidates((n, n_seg), (lp_bits, lp.stride(0), vocab, tops, thresholds, keys, cols),
+    _candidates((n, n_seg), (lp_bits, lp.stride(0), vocab, tops, thresholds, cands),
                 {"SEG": SEGMENT, "K": k, "num_warps": 8})
     out = {"logprob": torch.empty(n, dtype=torch.float32, device=dev),
            "top1": torch.empty(n, dtype=torch.int64, device=dev),
            "digest": torch.empty(n, dtype=torch.int64, device=dev)}
     lists = (torch.empty((n, k), dtype=torch.float32, device=dev), torch.empty((n, k), dtype=torch.int64, device=dev))
-    _rows((n,), (lp_bits, lp.stride(0), targets.contiguous(), keys, cols, parts, n_seg,
+    _rows((n,), (lp_bits, lp.stride(0), targets.contiguous(), cands, parts, n_seg,
                  out["logprob"].view(torch.int32), out["top1"], out["digest"],
                  lists[0].view(torch.int32), lists[1]),
           {"K": k, "TOPK": topk > 0, "CANDS": triton.next_power_of_2(n_seg * k),
@@ -312,9 +281,10 @@ def top_ids_gpu(logits: torch.Tensor, first: torch.Tensor, k: int) -> torch.Tens
     cands = torch.empty((n, n_seg * k), dtype=torch.int64, device=dev)
     ids = torch.empty((n, 1 + k), dtype=torch.int64, device=dev)
     if n:
-        _segment_maxima((n, n_seg), (logits, logits.stride(0), vocab, tops), {"SEG": SEGMENT, "num_warps": 8})
+        _segments((n, n_seg), (logits, logits, logits.stride(0), 0, vocab, 0, 0, 0, tops, tops),
+                  {"SEG": SEGMENT, "DIGEST": False, "num_warps": 8})
         _thresholds((n,), (tops, n_seg, thresholds), {"K": k, "SEGS": triton.next_power_of_2(n_seg), "num_warps": 1})
-        _segment_top_ids((n, n_seg), (logits, logits.stride(0), vocab, tops, thresholds, cands),
-                         {"SEG": SEGMENT, "K": k, "num_warps": 8})
+        _candidates((n, n_seg), (logits, logits.stride(0), vocab, tops, thresholds, cands),
+                    {"SEG": SEGMENT, "K": k, "num_warps": 8})
         _row_top_ids((n,), (cands, n_seg * k, first, ids), {"K": k, "CANDS": triton.next_power_of_2(n_seg * k), "num_warps": 4})
     return ids
