@@ -112,8 +112,7 @@ def _ids(layer: int, prompt: str, pos: int) -> list[int]:
     return [first, first + 1 + pos % 2]  # sorted, as the tracer stores them
 
 
-def _write(path: Path, changed: dict | None = None, dense: bool = False, version: str | None = None,
-           prompts=PROMPTS) -> Path:
+def _write(path: Path, changed: dict | None = None, dense: bool = False, version: str | None = None) -> Path:
     """A trace of an MoE model's layers (router logits, routing, experts output per token);
     changed {(layer, prompt, pos): ids} makes those rows route elsewhere, their outputs differ."""
     changed = changed or {}
@@ -122,7 +121,7 @@ def _write(path: Path, changed: dict | None = None, dense: bool = False, version
         mlp = f"model.layers.{layer}.mlp"
         names += [f"{mlp}.gate"] + ([] if dense else [f"{mlp}.experts:routing"]) + [f"{mlp}.experts"]
     rows = []
-    for prompt, pos in itertools.product(prompts, POSITIONS):
+    for prompt, pos in itertools.product(PROMPTS, POSITIONS):
         for order, name in enumerate(names):
             layer = int(name.split(".")[2])
             moved = (layer, prompt, pos) in changed
@@ -153,7 +152,7 @@ def _write(path: Path, changed: dict | None = None, dense: bool = False, version
 
 def test_locate_reports_the_first_layer_whose_routing_differs_and_the_agreement_rate(tmp_path):
     a = _write(tmp_path / "a.parquet")
-    b = _write(tmp_path / "b.parquet", {(1, "q", 3): [1, 6]}, prompts=PROMPTS + ("r",))  # r: in B only
+    b = _write(tmp_path / "b.parquet", {(1, "q", 3): [1, 6]})
     r = locate(a, b)
     assert r.routing is not None and r.diverged
     assert [(x.name, x.compared, x.agreeing, x.first) for x in r.routing.layers] == [

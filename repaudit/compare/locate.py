@@ -201,6 +201,18 @@ def _read_once(path: Path, traces: dict[str, tuple] | None) -> tuple[pa.Table, d
     return traces[str(path)]
 
 
+def _same_prompts(ta: pa.Table, tb: pa.Table) -> None:
+    """Refuse traces of different prompts: the rows are joined on (prompt, position, module), so a
+    prompt traced in one cell only would be left out unseen, and "every traced position is bitwise
+    identical" said of two cells that were not compared on it."""
+    codes = [dictionary_codes(t, "prompt_id") for t in (ta, tb)]
+    traced = [{values[i] for i in np.unique(c)} for c, values in codes]
+    only_a, only_b = sorted(traced[0] - traced[1]), sorted(traced[1] - traced[0])
+    if only_a or only_b:
+        raise InputError(f"traced prompts differ ({len(only_a)} only in A, {len(only_b)} only in B, "
+                         f"e.g. {(only_a or only_b)[0]!r}); locate compares two cells of the same prompts")
+
+
 def _max_pos(*tables: pa.Table) -> int:
     return max([int(pc.max(t.column("pos")).as_py() or 0) for t in tables if len(t)] or [0])
 
@@ -226,6 +238,7 @@ def locate(path_a: str | Path, path_b: str | Path, traces: dict[str, tuple] | No
     pa_, pb_ = trace_path(path_a), trace_path(path_b)
     ta, cell_a, mods_a = _read_once(pa_, traces)
     tb, cell_b, mods_b = _read_once(pb_, traces)
+    _same_prompts(ta, tb)
     prompt_names = sorted(set(dictionary_codes(ta, "prompt_id")[1]) | set(dictionary_codes(tb, "prompt_id")[1]))
     module_names = sorted(set(dictionary_codes(ta, "module")[1]) | set(dictionary_codes(tb, "module")[1]))
     prompts = {v: i for i, v in enumerate(prompt_names)}
