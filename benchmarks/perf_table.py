@@ -52,6 +52,8 @@ def rows() -> list[list[str]]:
         note = f" ({r['note']})" if r.get("note") else ""
         if r.get("interleaved"):
             args += ", every mode loaded at once, runs taken in turn"
+        if r.get("plain_runs_s"):
+            args += f", median of {len(r['plain_runs_s'])} runs"
         out.append([f"vLLM cell / plain `LLM.generate`, {r['kernels']}, TP={r['tp']}, {r['prompts']} prompts x "
                     f"{r['new_tokens']} new{args}" + note,
                     "≥ 0.9x", f"{r['ratio']:.3f}x ({_tok(r['repaudit_tok_s'])} / {_tok(r['plain_tok_s'])} tok/s)",
