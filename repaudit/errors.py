@@ -25,5 +25,9 @@ class InputError(Exception):
     """Bad input or usage. The CLI prints the message as one line on stderr and exits 2."""
 
 
+class IncomparableRecords(InputError):
+    """Two readable records that cannot be compared (other prompts, probe suite or tokenizer)."""
+
+
 def os_error_exit_code(exc: OSError) -> int:
     return EXIT_INPUT if exc.errno in _INPUT_ERRNOS else EXIT_ENVIRONMENT

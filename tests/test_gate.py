@@ -255,6 +255,19 @@ def test_unreadable_record_in_a_run_is_a_failure_not_a_crash(tmp_path, capsys):
     assert fail.get("type") == "record-unreadable" and "not a readable Parquet file" in fail.get("message")
 
 
+def test_records_of_other_prompts_are_a_failure_of_their_own_type(tmp_path, capsys):
+    """A readable record that holds other prompts than its reference's was reported as
+    `record-unreadable`, which sends the reader to check the file instead of the run's prompts."""
+    run = make_run(tmp_path)
+    cell = "hf-tp2-bs1-default-stock-score"
+    record(run / "cells" / f"{cell}.parquet", cell, prompts=("p0", "p1"))
+    junit = tmp_path / "j.xml"
+    rc, out, err = gate(capsys, run, "--junit", junit)
+    assert (rc, err) == (1, "")
+    fail = cases(validate(junit))[f"{cell} vs {REF}"].find("failure")
+    assert fail.get("type") == "records-incomparable" and "prompt sets differ (1 only in A, 0 only in B" in fail.get("message")
+
+
 # ------------------------------------------------------------------------------ two records
 
 

@@ -36,7 +36,7 @@ from typing import Iterator
 
 import numpy as np
 
-from ..errors import InputError
+from ..errors import IncomparableRecords, InputError
 from ..record.fingerprint import differences as env_differences
 from ..record.io import RecordMeta, open_record
 from .accumulate import Accumulator, note_first, percentile
@@ -140,7 +140,8 @@ def diff_records(
             raise InputError(f"{meta.path}: record has no rows")
     problems = comparability(meta_a, meta_b)
     if problems and not allow_partial:
-        raise InputError(f"cannot compare {path_a} with {path_b}: {'; '.join(problems)}; --allow-partial compares the prompts they share")
+        raise IncomparableRecords(f"cannot compare {path_a} with {path_b}: {'; '.join(problems)}; "
+                                  "--allow-partial compares the prompts they share")
 
     union = sorted(set(meta_a.prompts) | set(meta_b.prompts))
     rank_of = {p: i for i, p in enumerate(union)}

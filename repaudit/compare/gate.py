@@ -21,7 +21,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from ..errors import InputError
+from ..errors import IncomparableRecords, InputError
 from ..run.jobspec import cell_path
 from ..run.plan import Plan, plan_from_manifest, reference_delta, reference_pairs
 from ..run.rundir import Manifest, ManifestData
@@ -69,7 +69,7 @@ class PairOutcome:
     reference: str
     result: DiffResult | None = None
     failure: str | None = None  # why the pair fails without a diff: a cell that did not complete, a missing record
-    failure_type: str | None = None  # "cell-not-completed", "record-missing", "record-unreadable"
+    failure_type: str | None = None  # "cell-not-completed", "record-missing", "record-unreadable", "records-incomparable"
     seconds: float | None = None  # the cell's own run time, when known
     path_a: Path | None = None  # the reference record
     path_b: Path | None = None  # the cell's record
@@ -157,6 +157,9 @@ def compare_pair(run: RunInfo, cell_id: str, ref_id: str, thresholds: Thresholds
         return out
     try:
         out.result = diff_records(a, b, thresholds=thresholds)
+    except IncomparableRecords as exc:
+        out.failure, out.failure_type = str(exc), "records-incomparable"
+        return out
     except InputError as exc:
         out.failure, out.failure_type = str(exc), "record-unreadable"
         return out
