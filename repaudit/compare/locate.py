@@ -149,7 +149,7 @@ class LocateResult:
             return "; ".join(parts + routing)
         worst = max(self.modules, key=lambda m: (m.max_ulp, m.order))
         text = f"first divergence: {first.name}" + (f" ({_style_words(first.style)})" if first.style else "")
-        if worst.max_ulp and worst.name != first.name:
+        if worst.max_ulp > first.max_ulp:  # a module that only repeats the first's output is no growth
             text += f"; grows to max {worst.max_ulp} ULP by {worst.name}"
         return "; ".join(parts + [text] + routing)
 
