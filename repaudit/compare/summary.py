@@ -14,8 +14,8 @@ from ..files import write_json_atomic, write_text_atomic
 from ..run.plan import CELL_SETTINGS, Cell, Plan, reference_delta, reference_pairs
 from ..run.scenarios import COLD
 from ..run.rundir import Manifest
-from .gate import RunInfo, gate_run
 from ..units import rate_text, ratio_text
+from .gate import RunInfo, gate_run
 from .render import pct
 from .result import Thresholds, json_float
 
