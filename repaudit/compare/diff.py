@@ -262,7 +262,9 @@ def verdict(r: DiffResult, th: Thresholds) -> tuple[bool, list[str]]:
     # Exactly, against the decimal the threshold reads as (its shortest repr): 1 of 3 is above
     # 0.3333333333333333, and 7 of 10 is not above 0.7 (whose double is a little below 7/10).
     if shared and Fraction(len(diverged), len(shared)) > Fraction(repr(th.max_seq_divergence)):
-        first = diverged[0]
+        # The earliest fork, as the divergence tables and the report's tile name it: the first prompt
+        # in id order could fork much later than another.
+        first = min(diverged, key=lambda p: p.first_token_divergence)
         reasons.append(
             f"{len(diverged)} of {len(shared)} sequences differ in tokens or length "
             f"(first: {first.prompt_id!r} at pos {first.first_token_divergence})"

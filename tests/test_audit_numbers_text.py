@@ -1,0 +1,34 @@
+"""Audit: numbers `repaudit diff` and `repaudit report` print as text, against what they stand for."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from repaudit import cli
+
+LENGTH = 6
+
+
+def rows(prompts, forks=None):
+    """Columns of a record: LENGTH rows per prompt; forks {prompt: pos} gives other tokens from pos on."""
+    ids, pos, tok = [], [], []
+    for p in prompts:
+        for i in range(1, LENGTH + 1):
+            ids.append(p)
+            pos.append(i)
+            tok.append(300 if i >= (forks or {}).get(p, LENGTH + 1) else 64 + i)
+    lp = -0.5 - 0.125 * np.arange(len(ids), dtype=np.float32)
+    return dict(prompt_id=ids, pos=np.array(pos), token_id=np.array(tok), logprob=lp.astype(np.float32))
+
+
+def test_the_verdicts_first_fork_is_the_earliest(make_record):
+    """The reason named the fork of the first prompt in id order ('a' at pos 5) as the "first", while the
+    table under it, "first divergences (earliest first)", and the report's earliest-divergence tile put
+    'b' at pos 2 first."""
+    from repaudit.compare.diff import diff_records
+
+    a = make_record("a.parquet", **rows(["a", "b"]))
+    b = make_record("b.parquet", **rows(["a", "b"], forks={"a": 5, "b": 2}))
+    r = diff_records(a, b)
+    assert "2 of 2 sequences differ in tokens or length (first: 'b' at pos 2)" in r.reasons
+
