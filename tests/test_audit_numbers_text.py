@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shlex
+
 import numpy as np
 
 from repaudit import cli
@@ -32,3 +34,15 @@ def test_the_verdicts_first_fork_is_the_earliest(make_record):
     r = diff_records(a, b)
     assert "2 of 2 sequences differ in tokens or length (first: 'b' at pos 2)" in r.reasons
 
+
+def test_the_pair_reports_command_reproduces_its_numbers(make_record, tmp_path, capsys):
+    """`repaudit diff --html` printed "this diff" without --clip and --allow-partial: the command gave
+    another clip fraction, or refused the records (exit 2) that the page compared."""
+    a = make_record("a.parquet", **rows(["x", "y"]))
+    b = make_record("b.parquet", **rows(["x", "z"]))
+    page = tmp_path / "d.html"
+    assert cli.main(["diff", str(a), str(b), "--allow-partial", "--clip", "0.9,1.25", "--html", str(page)]) == 0
+    capsys.readouterr()
+    command = shlex.join(["repaudit", "diff", str(a), str(b), "--allow-partial", "--clip", "0.9,1.25"])
+    assert f"<pre>{command}</pre>" in page.read_text()
+    assert cli.main(shlex.split(command)[1:]) == 0

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from ..compare.gate import GateResult, PairOutcome, RunInfo, gate_run, threshold_args
-from ..compare.result import DiffResult, Thresholds
+from ..compare.result import DEFAULT_CLIP, DiffResult, Thresholds
 from ..record.fingerprint import COMPARED, settings
 from ..record.io import read_meta
 from ..compare.labels import cell_settings, short_labels
@@ -207,9 +207,19 @@ def build_pair(outcome: PairOutcome, thresholds: Thresholds, gate: GateResult) -
         facts.append(("settings that differ", ", ".join(f"{k} {a!r} → {b!r}" for k, a, b in r.cell_differences)))
     if r.refusals:
         facts.append(("compared partially", "; ".join(r.refusals)))
-    commands = [("this diff", outcome.diff_command(thresholds) or "")]
+    command = outcome.diff_command(thresholds)
+    commands = [("this diff", shlex.join([*shlex.split(command), *_diff_args(r)]) if command else "")]
     return ReportData("pair", f"repaudit diff: {r.a.cell_id} vs {r.b.cell_id}", facts, gate, cells, [pair],
                       commands=commands, token_note=text.note)
+
+
+def _diff_args(r: DiffResult) -> list[str]:
+    """The flags besides the thresholds that the diff's numbers depend on: without them the command
+    refuses the records (prompt sets differ) or counts clip_frac against other bounds."""
+    out = ["--allow-partial"] if r.refusals else []
+    if tuple(r.rl.clip) != DEFAULT_CLIP:
+        out += ["--clip", ",".join(repr(x) for x in r.rl.clip)]
+    return out
 
 
 # ------------------------------------------------------------------------------ environment
