@@ -46,3 +46,15 @@ def test_the_pair_reports_command_reproduces_its_numbers(make_record, tmp_path, 
     command = shlex.join(["repaudit", "diff", str(a), str(b), "--allow-partial", "--clip", "0.9,1.25"])
     assert f"<pre>{command}</pre>" in page.read_text()
     assert cli.main(shlex.split(command)[1:]) == 0
+
+
+def test_the_terminal_says_how_many_divergent_prompts_it_leaves_out(make_record, capsys):
+    """The terminal's "first divergences" table shows the earliest 10 prompts and said nothing of the
+    others: 12 divergent prompts read as 10."""
+    prompts = [f"p{i:02d}" for i in range(13)]
+    a = make_record("a.parquet", **rows(prompts))
+    b = make_record("b.parquet", **rows(prompts, forks={p: 2 + i % 4 for i, p in enumerate(prompts[1:])}))
+    assert cli.main(["diff", str(a), str(b)]) == 1
+    out = " ".join(capsys.readouterr().out.split())
+    assert "12 of 13 sequences differ" in out
+    assert "… and 2 more divergent prompts (--markdown lists them all)" in out

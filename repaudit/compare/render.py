@@ -136,6 +136,9 @@ def print_diff(r: DiffResult, console: Console | None = None) -> None:
         for row in rows:
             t.add_row(*(str(v) for v in row.values()))
         console.print(t)
+        left_out = sum(not p.bitwise_match for p in r.shared_prompts) - len(rows)
+        if left_out:  # else the table reads as every prompt that differs
+            console.print(f"… and {left_out} more divergent prompts (--markdown lists them all)")
     style = "bold green" if r.passed else "bold red"
     console.print(f"[{style}]{verdict_line(r)}[/]")
 
