@@ -58,3 +58,15 @@ def test_the_terminal_says_how_many_divergent_prompts_it_leaves_out(make_record,
     out = " ".join(capsys.readouterr().out.split())
     assert "12 of 13 sequences differ" in out
     assert "… and 2 more divergent prompts (--markdown lists them all)" in out
+
+
+def test_the_pair_pages_divergences_name_each_side_once(make_record, tmp_path, capsys):
+    """The fold-out of a two-record page read "B vs A vs a": its title already names both sides, and
+    the reference was added again, as a third record."""
+    a = make_record("a.parquet", **rows(["x"]))
+    b = make_record("b.parquet", **rows(["x"], forks={"x": 3}))
+    page = tmp_path / "d.html"
+    assert cli.main(["diff", str(a), str(b), "--html", str(page)]) == 1
+    capsys.readouterr()
+    html = page.read_text()
+    assert '<summary><code>B vs A</code> <span class="muted">1 prompts differ, 1 fork · earliest pos 3 (x)</span>' in html

@@ -355,7 +355,8 @@ def _divergences(data: ReportData) -> str:
         title = p.label if data.kind == "pair" else f"{p.outcome.cell}"
         earliest = p.divergences[0]
         forks = sum(d.fork is not None for d in p.divergences)
-        summary = (f"<code>{e(title)}</code> <span class=\"muted\">vs {e(p.outcome.reference)} · {len(p.divergences)} prompts differ"
+        against = "" if data.kind == "pair" else f"vs {e(p.outcome.reference)} · "  # a pair's title names both sides
+        summary = (f"<code>{e(title)}</code> <span class=\"muted\">{against}{len(p.divergences)} prompts differ"
                    f"{f', {forks} fork' if forks else ''} · earliest pos {earliest.earliest} ({e(earliest.prompt_id)})</span>")
         rows = []
         for d in p.divergences[:DIVERGENCE_ROWS]:
