@@ -1,5 +1,5 @@
-"""How a rate or a ratio reads as text, for every stage that prints one: a small non-zero value
-never reads as zero."""
+"""How a rate, a ratio or a duration reads as text, for every stage that prints one: a small
+non-zero value never reads as zero."""
 
 from __future__ import annotations
 
@@ -17,3 +17,9 @@ def ratio_text(x: float | None) -> str:
     if x is None:
         return "—"
     return f"{x:.2f}x" if abs(x) >= 0.1 else f"{x:.2g}x"
+
+
+def seconds_text(x: float, decimals: int = 1) -> str:
+    """Seconds with `decimals` decimals, and two significant digits below 0.1 s: a cell of 0.03 s
+    does not read as 0.0 s."""
+    return f"{x:.2g}" if 0 < abs(x) < 0.1 else f"{x:.{decimals}f}"

@@ -66,3 +66,16 @@ def test_the_runners_done_line_prints_a_slow_rate(timing, text):
 
     assert done_line("c", {"seconds": 2.0, "timing": timing}) == f"[green]done[/] c  2.0s  {text}"
     assert done_line("c", {"seconds": 2.0, "timing": {}}) == "[green]done[/] c  2.0s"
+
+
+@pytest.mark.parametrize("seconds, one, two", [(0.03, "0.03", "0.03"), (0.004, "0.004", "0.004"), (0.0, "0.0", "0.00"),
+                                               (2.345, "2.3", "2.35"), (0.25, "0.2", "0.25")])
+def test_a_short_duration_never_reads_as_zero(seconds, one, two):
+    """Seconds printed with fixed decimals made a 0.03 s cell read "0.0s" in the runner's done line and
+    "0.00" in the report's speed table."""
+    from repaudit.report.tables import secs
+    from repaudit.run.events import done_line
+    from repaudit.units import seconds_text
+
+    assert seconds_text(seconds) == one and seconds_text(seconds, 2) == two and secs(seconds) == two
+    assert done_line("c", {"seconds": seconds, "timing": {}}) == f"[green]done[/] c  {one}s"

@@ -14,7 +14,7 @@ from ..files import write_json_atomic, write_text_atomic
 from ..run.plan import CELL_SETTINGS, Cell, Plan, reference_delta, reference_pairs
 from ..run.scenarios import COLD
 from ..run.rundir import Manifest
-from ..units import rate_text, ratio_text
+from ..units import rate_text, ratio_text, seconds_text
 from .gate import RunInfo, gate_run
 from .render import pct
 from .result import Thresholds, json_float
@@ -247,8 +247,8 @@ def summary_markdown(summary: dict[str, Any]) -> str:
     lines.append("")
     if summary.get("wall_s") is not None:
         loads = sum(sum(v) for v in summary["load_s"].values())
-        lines.append(f"Whole matrix {summary['wall_s']:.1f} s; sum of cell times {summary['sum_cell_s']:.1f} s; "
-                     f"model loads {loads:.1f} s over {len(summary['load_s'])} launch group(s).")
+        lines.append(f"Whole matrix {seconds_text(summary['wall_s'])} s; sum of cell times {seconds_text(summary['sum_cell_s'])} s; "
+                     f"model loads {seconds_text(loads)} s over {len(summary['load_s'])} launch group(s).")
     return "\n".join(lines) + "\n"
 
 

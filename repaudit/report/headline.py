@@ -8,7 +8,7 @@ from fractions import Fraction
 from ..compare.render import num, pct, verdict_line
 from ..compare.summary import price_list, tokens_per_s
 from ..run.plan import CELL_SETTINGS
-from ..units import ratio_text
+from ..units import ratio_text, seconds_text
 from .build import ReportData
 
 
@@ -95,5 +95,6 @@ def tiles(data: ReportData) -> list[Tile]:
     if data.kind == "run" and data.wall_s is not None:
         cell_s = sum(c.seconds or 0.0 for c in data.cells)
         loads = sum(sum(g.load_s) for g in data.groups)
-        out.append(Tile("whole matrix", f"{data.wall_s:.1f} s", f"cells {cell_s:.1f} s · model loads {loads:.1f} s"))
+        out.append(Tile("whole matrix", f"{seconds_text(data.wall_s)} s",
+                        f"cells {seconds_text(cell_s)} s · model loads {seconds_text(loads)} s"))
     return out

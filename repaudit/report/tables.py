@@ -6,7 +6,7 @@ import math
 from typing import Any
 
 from ..compare.render import held, num, one_sided, pct
-from ..units import rate_text
+from ..units import rate_text, seconds_text
 from ..compare.result import DiffResult
 from .analysis import RATIO_CENTER, LogRatioHistogram, PairView, PromptDivergence, UlpHistogram, bin_label, log_ratio_position
 from .build import CellView, ReportData
@@ -180,19 +180,19 @@ def rate(x: float | None) -> str:
 
 
 def secs(x: float | None) -> str:
-    return "—" if x is None else f"{x:.2f}"
+    return "—" if x is None else seconds_text(x, 2)
 
 
 def timing_totals(data: ReportData) -> str:
     cell_s = sum(c.seconds or 0.0 for c in data.cells)
     loads = sum(sum(g.load_s) for g in data.groups)
     if data.wall_s is None:
-        return f"Sum of cell times {cell_s:.2f} s; model loads {loads:.2f} s over {len(data.groups)} launch group(s)."
+        return f"Sum of cell times {seconds_text(cell_s, 2)} s; model loads {seconds_text(loads, 2)} s over {len(data.groups)} launch group(s)."
     other = data.wall_s - cell_s - loads
-    text = (f"Whole matrix {data.wall_s:.2f} s wall; sum of cell times {cell_s:.2f} s; model loads {loads:.2f} s over "
-            f"{len(data.groups)} launch group(s)")
+    text = (f"Whole matrix {seconds_text(data.wall_s, 2)} s wall; sum of cell times {seconds_text(cell_s, 2)} s; "
+            f"model loads {seconds_text(loads, 2)} s over {len(data.groups)} launch group(s)")
     if other >= 0:
-        text += f"; {other:.2f} s outside cells and loads (process start-up, rendezvous, tokenisation, diffs)"
+        text += f"; {seconds_text(other, 2)} s outside cells and loads (process start-up, rendezvous, tokenisation, diffs)"
     return text + "."
 
 

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
-from ..units import rate_text
+from ..units import rate_text, seconds_text
 
 
 class EventWriter:
@@ -55,4 +55,4 @@ def done_line(cell: str, event: dict[str, Any]) -> str:
     generate, prefill tokens for score), a slow rate with two significant digits, not 0."""
     t = event["timing"]
     rate = t.get("generated_tokens_per_s") or t.get("prefill_tokens_per_s")
-    return f"[green]done[/] {cell}  {event['seconds']:.1f}s" + (f"  {rate_text(rate)} tok/s" if rate else "")
+    return f"[green]done[/] {cell}  {seconds_text(event['seconds'])}s" + (f"  {rate_text(rate)} tok/s" if rate else "")
