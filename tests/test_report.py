@@ -200,6 +200,17 @@ def test_the_cell_matrix_is_green_only_for_an_identical_pair(identical):
     assert svg.nice_ticks(77) == [0, 10, 20, 30, 40, 50, 60, 70] and svg.nice_ticks(0) == [0]
 
 
+def test_the_max_ulp_legend_names_a_range_only_where_one_exists():
+    """With every pair at 0 ULP the legend read "yellow → red = 1 … 0 ULP (log scale)"."""
+    from repaudit.report.analysis import MatrixEntry, MatrixView
+    from repaudit.report.html import _matrix_svgs
+
+    same = MatrixView("score", ["c0", "c1"], ["bs1", "bs4"], {"c0"}, {(0, 1): MatrixEntry(5, 5, 0, True)})
+    assert "green = 0 ULP: every pair" in _matrix_svgs(same) and "1 … 0 ULP" not in _matrix_svgs(same)
+    apart = MatrixView("score", ["c0", "c1"], ["bs1", "bs4"], {"c0"}, {(0, 1): MatrixEntry(4, 5, 9, False)})
+    assert "yellow → red = 1 … 9 ULP (log scale)" in _matrix_svgs(apart)
+
+
 def test_run_report_with_failures_divergence_and_hostile_text(tmp_path, capsys):
     evil = "<script>alert('x')</script> | `tick` & <b>"
     run = make_run(tmp_path, {

@@ -240,7 +240,7 @@ def _matrix_svgs(mv: MatrixView) -> str:
             + svg.heatmap(mv.labels, rate_cell, f"{mv.mode}: bitwise-equal logprobs", marked,
                           "green = 100% (every bit); yellow → red = fewer equal")
             + svg.heatmap(mv.labels, ulp_cell, f"{mv.mode}: max ULP distance", marked,
-                          f"green = 0; yellow → red = 1 … {worst} ULP (log scale)")
+                          f"green = 0; yellow → red = 1 … {worst} ULP (log scale)" if worst else "green = 0 ULP: every pair")
             + "</div>")
 
 
