@@ -12,7 +12,8 @@ def test_a_slow_cells_tokens_per_s_never_reads_as_zero(tok_s, text):
     """Tokens/s printed as whole numbers made a 0.4 tok/s cell (a large model on CPU) read "0" in
     summary.md, the terminal table and the report's speed table."""
     from repaudit.compare.summary import summary_markdown, table_rows
-    from repaudit.report.tables import rate, timing_rows
+    from repaudit.report.tables import timing_rows
+    from repaudit.units import rate_text
 
     row = {"cell": "r", "reference": "r", "status": "done", "tokens_per_s": tok_s}
     summary = {"baseline": "r", "reference_per": ["kernels"], "cells": [row], "identical_cells": 0,
@@ -22,7 +23,7 @@ def test_a_slow_cells_tokens_per_s_never_reads_as_zero(tok_s, text):
     timing = {"prefill_tokens_per_s": tok_s, "decode_tokens_per_s": tok_s, "generated_tokens_per_s": tok_s}
     cells = [SimpleNamespace(id="c", status="done", seconds=1.0, timing=timing, group="g")]
     shown = timing_rows(SimpleNamespace(cells=cells))[0]
-    assert [rate(shown[k]) for k in ("prefill tok/s", "decode tok/s", "generated tok/s")] == [text] * 3
+    assert [rate_text(shown[k]) for k in ("prefill tok/s", "decode tok/s", "generated tok/s")] == [text] * 3
 
 
 def test_token_counts_show_only_where_the_engine_timed_that_phase():

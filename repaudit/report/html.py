@@ -12,11 +12,12 @@ from typing import Any, Iterable
 
 from .. import __version__
 from ..compare.render import pct
+from ..units import rate_text
 from . import svg
 from .analysis import MatrixView, PairView, log_ratio_labels
 from .build import ReportData, env_table, value_text
 from .headline import tiles, verdict
-from .tables import (PAIR_HEADER, RL_HEADER, divergence_cells, failed_cells, hist_bins, hist_labels, hist_summary, pair_row, rate,
+from .tables import (PAIR_HEADER, RL_HEADER, divergence_cells, failed_cells, hist_bins, hist_labels, hist_summary, pair_row,
                      ratio_markers, ratio_summary, rl_row, secs, timing_rows, timing_totals)
 
 DIVERGENCE_ROWS = 50  # per pair in the page; report.md and `repaudit diff --markdown` list them all
@@ -403,7 +404,7 @@ def _speed(data: ReportData) -> str:
             v = r[key]
             if v is None:
                 return _td("—", "num")
-            return _td(svg.bar(v, top, f"{r['cell']}: {rate(v)} {key}") + e(rate(v)), "num", raw=True)
+            return _td(svg.bar(v, top, f"{r['cell']}: {rate_text(v)} {key}") + e(rate_text(v)), "num", raw=True)
         body.append([_td(f"<code>{e(r['cell'])}</code>", raw=True), _td(r["group"]),
                      _td(r["status"], "" if r["status"] == "done" else "hl"), _td(secs(r["seconds"]), "num"),
                      cell("prefill tok/s", top_p), cell("decode tok/s", top_d), cell("generated tok/s", top_g),

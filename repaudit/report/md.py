@@ -5,10 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 from ..compare.render import pct
+from ..units import rate_text
 from .analysis import log_ratio_labels
 from .build import ReportData, env_table, value_text
 from .headline import tiles, verdict
-from .tables import (PAIR_HEADER, RL_HEADER, divergence_cells, failed_cells, hist_bins, hist_labels, hist_summary, pair_row, rate,
+from .tables import (PAIR_HEADER, RL_HEADER, divergence_cells, failed_cells, hist_bins, hist_labels, hist_summary, pair_row,
                      ratio_summary, rl_row, secs, timing_rows, timing_totals)
 
 
@@ -145,8 +146,8 @@ def render_markdown(data: ReportData) -> str:
     if data.kind == "run":
         parts += ["## Speed and time", "", cell(timing_totals(data)), ""]
         parts += [table(["cell", "launch group", "status", "seconds", "prefill tok/s", "decode tok/s", "generated tok/s"],
-                        [[code(r["cell"]), cell(r["group"]), cell(r["status"]), secs(r["seconds"]), rate(r["prefill tok/s"]),
-                          rate(r["decode tok/s"]), rate(r["generated tok/s"])] for r in timing_rows(data)]), ""]
+                        [[code(r["cell"]), cell(r["group"]), cell(r["status"]), secs(r["seconds"]), rate_text(r["prefill tok/s"]),
+                          rate_text(r["decode tok/s"]), rate_text(r["generated tok/s"])] for r in timing_rows(data)]), ""]
         parts += [table(["launch group", "cells", "model load s", "attempts"],
                         [[code(g.id), str(len(g.cells)), " + ".join(f"{x:.2f}" for x in g.load_s) or "—", cell(value_text(g.attempts))]
                          for g in data.groups]), ""]

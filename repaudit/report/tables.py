@@ -6,8 +6,8 @@ import math
 from typing import Any
 
 from ..compare.render import held, num, one_sided, pct
-from ..units import rate_text, seconds_text
 from ..compare.result import DiffResult
+from ..units import seconds_text
 from .analysis import RATIO_CENTER, LogRatioHistogram, PairView, PromptDivergence, UlpHistogram, bin_label, log_ratio_position
 from .build import CellView, ReportData
 
@@ -173,10 +173,6 @@ def timing_rows(data: ReportData) -> list[dict[str, Any]]:
             "generated tokens": t.get("generated_tokens") or None, "group": c.group or "—",
         })
     return rows
-
-
-def rate(x: float | None) -> str:
-    return rate_text(x)
 
 
 def secs(x: float | None) -> str:
