@@ -10,11 +10,10 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from ..errors import InputError
 from ..record.floats import float_bits, ulp_distance_bits
-from ..record.io import read_meta
+from ..record.io import open_record
 from ..record.tracefile import record_path
 
 
@@ -34,18 +33,19 @@ def read_records(trace_a: Path, trace_b: Path) -> list[pa.Table]:
     """The two cells' records (the .parquet next to each trace), or [] where one is not there.
     Records of different models are refused: a trace does not name its model, its record does, and
     module outputs of two models differ from the embeddings on for a reason no kernel explains."""
-    if not all(record_path(t).is_file() for t in (trace_a, trace_b)):
+    records = [record_path(t) for t in (trace_a, trace_b)]
+    if not all(r.is_file() for r in records):
         return []
-    models = [_model(read_meta(record_path(t)).model) for t in (trace_a, trace_b)]
+    opened = [open_record(r) for r in records]
+    models = [_model(meta.model) for _, meta in opened]
     if models[0] != models[1]:
         (id_a, sha_a), (id_b, sha_b) = models
         what = f"{id_a} vs {id_b}" if id_a != id_b else f"{id_a}, weights sha256 {str(sha_a)[:12]} vs {str(sha_b)[:12]}"
         raise InputError(f"the traces are of different models ({what}); locate compares two cells of one model")
     tables = []
-    for trace in (trace_a, trace_b):
-        record = record_path(trace)
+    for record, (pf, _) in zip(records, opened):
         try:
-            tables.append(pq.ParquetFile(record).read(columns=_RECORD_COLUMNS))
+            tables.append(pf.read(columns=_RECORD_COLUMNS))
         except (pa.ArrowException, OSError, ValueError, KeyError) as exc:
             raise InputError(f"{record}: unreadable record ({type(exc).__name__})") from None
     return tables
