@@ -115,58 +115,69 @@ def test_stock_graph_records_are_generate_with_a_static_cache_on_a_gpu():
     _assert_generate_with_a_static_cache(hfm, "graphs")
 
 
-def test_stock_static_decode_reads_repeated_keys_kept_with_the_cache_bit_for_bit(monkeypatch):
-    """Stock SDPA over a static cache gets each layer's keys and values repeated to the query
-    heads from a copy kept with the cache (hf_decode.grouped_key_mirrors) instead of a fresh
-    repeat_kv per step: the records are those of transformers' own repeat_kv, bit for bit."""
+def _counting_repeats(monkeypatch) -> list[int]:
+    """Every call of transformers' repeat_kv from here on, by its n_rep."""
     from transformers.integrations import sdpa_attention
 
-    tiny = hf.load(str(builtin.ensure("builtin:tiny-qwen3")), dtype="float32", device="cpu", tp=1, stop_ids=(), pad_id=0)
-    assert tiny.model.config.num_attention_heads > tiny.model.config.num_key_value_heads  # GQA: there is a copy to keep
-    batch = _batch()
-    mirrored = _generate(tiny, "static", batch, "stock")
-    repeat = sdpa_attention.repeat_kv
-    hits = []
+    calls, repeat = [], sdpa_attention.repeat_kv
 
     def counting(x, n_rep):
-        out = repeat(x, n_rep)
-        hits.append(any(out is m for _, m, _ in hf_decode._MIRRORS.values()))
-        return out
+        calls.append(n_rep)
+        return repeat(x, n_rep)
 
     monkeypatch.setattr(sdpa_attention, "repeat_kv", counting)
-    again = _generate(tiny, "static", batch, "stock")
-    assert hits and all(hits)  # every repeat of a cache tensor was served by its copy
-    monkeypatch.setattr(hf_decode, "grouped_key_mirrors", lambda cache, groups: None)
-    plain = _generate(tiny, "static", batch, "stock")
-    for a, b, c in zip(mirrored, again, plain):
-        assert _bits_equal(a, c) and _bits_equal(b, c), f"{c.prompt_id}: the kept copy moved bits"
+    return calls
 
 
-def test_the_kept_copies_go_with_their_batch_without_waiting_for_the_garbage_collector():
-    """On a GPU they are the groups' multiple of the KV cache: a reference cycle through the
-    cache would keep them until the next collection."""
-    import gc
+def test_stock_sdpa_reads_the_grouped_heads_in_place_bit_for_bit(monkeypatch):
+    """Stock SDPA under a static cache's mask reads each layer's key/value heads in place
+    (run/stock_attention.py) where transformers repeats the whole cache to the query heads every
+    step: the records are transformers' own (fused=False), bit for bit, and no repeat runs."""
+    tiny = hf.load(str(builtin.ensure("builtin:tiny-qwen3")), dtype="float32", device="cpu", tp=1, stop_ids=(), pad_id=0)
+    assert tiny.model.config.num_attention_heads > tiny.model.config.num_key_value_heads  # GQA: a copy to leave out
+    batch = _batch()
+    calls = _counting_repeats(monkeypatch)
+    in_place = _generate(tiny, "static", batch, "stock")
+    assert not [n for n in calls if n > 1]
+    plain = _generate(tiny, "static", batch, "stock", fused=False)
+    assert [n for n in calls if n > 1]  # transformers' own path repeats: the comparison is not vacuous
+    for a, b in zip(in_place, plain):
+        assert _bits_equal(a, b), f"{a.prompt_id}: reading the heads in place moved bits"
+    assert tiny.model.config._attn_implementation == "sdpa"  # the mode's attention is put back
+
+
+def test_stock_sdpa_repeats_the_heads_where_torch_would_pick_another_backend(monkeypatch):
+    """Where torch's SDPA would choose a different backend for the grouped heads than for repeated
+    ones (on some GPUs the grouped path under a mask is the math kernel), the attention is
+    transformers' own, repeat included: other kernels would give other bits."""
+    from repaudit.run import stock_attention
 
     tiny = hf.load(str(builtin.ensure("builtin:tiny-qwen3")), dtype="float32", device="cpu", tp=1, stop_ids=(), pad_id=0)
-    tiny.decode = "static"
-    gc.collect()
-    gc.disable()
-    try:
-        seen = []
-        update = hf_decode.grouped_key_mirrors
+    batch = _batch()
+    want = _generate(tiny, "static", batch, "stock", fused=False)
+    choose = torch._fused_sdp_choice
+    monkeypatch.setattr(torch, "_fused_sdp_choice", lambda *a, **k: choose(*a, **k) + (10 if k.get("enable_gqa") else 0))
+    monkeypatch.setattr(stock_attention, "_SAME_BACKEND", {})
+    calls = _counting_repeats(monkeypatch)
+    got = _generate(tiny, "static", batch, "stock")
+    assert [n for n in calls if n > 1]
+    for a, b in zip(got, want):
+        assert _bits_equal(a, b)
 
-        def watching(cache, groups):
-            update(cache, groups)
-            seen.append(len(cache.layers))
 
-        hf_decode.grouped_key_mirrors = watching
-        try:
-            hf.generate(tiny, _batch(), topk=0)
-        finally:
-            hf_decode.grouped_key_mirrors = update
-        assert seen and not hf_decode._MIRRORS
-    finally:
-        gc.enable()
+def test_the_additive_mask_is_torchs_conversion_made_once_per_forward():
+    from repaudit.run import stock_attention
+
+    mask = torch.tensor([[[[True, False, True, True]]], [[[False, False, True, True]]]])
+    first = stock_attention.additive_mask(mask, torch.bfloat16)
+    assert first.dtype == torch.bfloat16 and first.shape == mask.shape
+    assert torch.equal(first, torch.where(mask, 0.0, float("-inf")).to(torch.bfloat16))
+    assert stock_attention.additive_mask(mask, torch.bfloat16) is first  # the next layer's
+    assert stock_attention.additive_mask(mask, torch.float32).dtype == torch.float32
+    other = mask.clone()
+    assert stock_attention.additive_mask(other, torch.bfloat16) is not first
+    additive = torch.zeros(2, 1, 1, 4)
+    assert stock_attention.additive_mask(additive, torch.float32) is additive
 
 
 def test_load_picks_the_dynamic_cache_on_cpu(tiny):

@@ -16,9 +16,8 @@ Bits:
   the last written key, so those records are the dynamic cache's bit for bit; stock SDPA sums
   over the whole masked cache, so stock records are model.generate(cache_implementation="static",
   disable_compile=True)'s, which are not "dynamic"'s.
-- Stock SDPA reads each layer's keys and values repeated to the query heads from a copy kept
-  with the cache (grouped_key_mirrors) instead of repeating the whole cache every step: the
-  same tensor values, so the same bits.
+- Stock SDPA reads a grouped-query layer's cache of key/value heads in place instead of a copy
+  of it repeated to the query heads every step (run/stock_attention.py): the same bits.
 
 Tensor parallelism: each rank captures its own graph, collectives included (transformers'
 row-parallel all-reduces, tbik's all-gather, the broadcast of the chosen tokens). NCCL
@@ -33,7 +32,6 @@ STATIC_FAMILIES. Anything else decodes eagerly with a dynamic cache.
 from __future__ import annotations
 
 import contextlib
-import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -66,101 +64,7 @@ def graphs_available(device: torch.device) -> bool:
 def new_cache(model: torch.nn.Module, slots: int) -> Any:
     from transformers import StaticCache
 
-    cache = StaticCache(config=model.config, max_cache_len=slots)
-    cfg = model.config.get_text_config()
-    groups = cfg.num_attention_heads // (getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
-    if cfg._attn_implementation == "sdpa" and groups > 1:
-        grouped_key_mirrors(cache, groups)
-    return cache
-
-
-# Stock attention over a static cache: transformers' SDPA path repeats every layer's whole cache
-# of KV heads to the query heads (repeat_kv, a copy of the cache per layer per step) whenever it
-# passes a mask, which a static cache always needs. Each layer instead keeps that repeated copy,
-# written slot by slot as the cache is, and repeat_kv hands it over for the cache's own tensors:
-# SDPA gets a tensor of the same shape, strides and values, so the bits are the same.
-_MIRRORS: dict[int, tuple[Any, torch.Tensor, int]] = {}  # id(cache tensor) -> (weak ref, repeated copy, groups)
-_plain_repeat_kv: Callable | None = None  # transformers' own, before grouped_key_mirrors wrapped it
-
-
-def grouped_key_mirrors(cache: Any, groups: int) -> None:
-    """Give each layer of a StaticCache a copy of its keys and values repeated to the query heads."""
-    global _plain_repeat_kv
-    from transformers.integrations import sdpa_attention
-
-    if _plain_repeat_kv is None:
-        _plain_repeat_kv = sdpa_attention.repeat_kv
-        sdpa_attention.repeat_kv = _mirrored_repeat_kv(_plain_repeat_kv)
-    # One answer for the whole cache, from its first layer's tensors: judged layer by layer, the
-    # first layers' copies would take the memory the last layers' prefill needs.
-    whole: dict[str, bool] = {}
-    for layer in cache.layers:
-        # The layer is held weakly: a cycle through its own attributes would keep the cache, and
-        # its copies, alive until the next garbage collection instead of the end of the batch.
-        ref = weakref.ref(layer)
-        layer.update = _updating_mirrors(ref, type(layer).update, groups, _plain_repeat_kv, whole, len(cache.layers))
-        layer.reset = _resetting_mirrors(ref, type(layer).reset)
-
-
-def _resetting_mirrors(ref: Any, reset: Callable) -> Callable:
-    def mirrored() -> None:
-        layer = ref()
-        reset(layer)
-        for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
-            if id(t) in _MIRRORS:
-                _MIRRORS[id(t)][1].zero_()
-
-    return mirrored
-
-
-def _updating_mirrors(ref: Any, update: Callable, groups: int, repeat: Callable, whole: dict[str, bool],
-                      layers: int) -> Callable:
-    def mirrored(key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        layer = ref()
-        keys, values = update(layer, key_states, value_states, *args, **kwargs)
-        if "fits" not in whole:  # the layers' tensors exist from their first update on
-            whole["fits"] = _fits(keys, values, groups, layers)
-        if not whole["fits"]:  # repeat_kv runs as it ships
-            return keys, values
-        if id(keys) not in _MIRRORS:
-            for t in (keys, values):  # made from the whole layer, this update's slots included
-                ident = id(t)
-                watch = weakref.ref(t, lambda _, ident=ident: _MIRRORS.pop(ident, None))
-                _MIRRORS[ident] = (watch, repeat(t, groups), groups)
-            return keys, values
-        n = key_states.shape[-2]
-        # The slots update() just wrote: it advanced the layer's length by n (on the device).
-        slots = torch.arange(n, device=keys.device) + (layer.cumulative_length - n)
-        for new, t in ((key_states, keys), (value_states, values)):
-            _MIRRORS[id(t)][1].index_copy_(2, slots, repeat(new, groups))
-        return keys, values
-
-    return mirrored
-
-
-def _fits(keys: torch.Tensor, values: torch.Tensor, groups: int, layers: int) -> bool:
-    """Plain tensors (not a tensor-parallel DTensor), and on a GPU copies of every layer that take
-    at most a quarter of its free memory (groups times a long batch's cache may not fit: 28 GiB
-    for Qwen3-0.6B at batch 32 over 7,500 slots)."""
-    if type(keys) is not torch.Tensor or type(values) is not torch.Tensor:
-        return False
-    if not keys.is_cuda:
-        return True
-    extra = layers * groups * (keys.numel() * keys.element_size() + values.numel() * values.element_size())
-    return extra <= torch.cuda.mem_get_info(keys.device)[0] // 4
-
-
-def _mirrored_repeat_kv(repeat_kv: Callable) -> Callable:
-    import functools
-
-    @functools.wraps(repeat_kv)
-    def repeat(hidden_states: torch.Tensor, n_rep: int) -> torch.Tensor:
-        found = _MIRRORS.get(id(hidden_states))
-        if found is not None and found[0]() is hidden_states and found[2] == n_rep:
-            return found[1]
-        return repeat_kv(hidden_states, n_rep)
-
-    return repeat
+    return StaticCache(config=model.config, max_cache_len=slots)
 
 
 @dataclass

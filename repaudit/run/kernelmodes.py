@@ -1,8 +1,10 @@
 """Kernel modes of the transformers engine, switched per cell inside one loaded model.
 
-- stock: transformers' own kernels, bit for bit. Only two chains of element-wise ops run fused,
-  with the eager chains' bits: Llama-form RMSNorms (their squares in one kernel, torch's own
-  mean, the scaling in one more) and Llama's rotary embedding (tbik.apply_rope).
+- stock: transformers' own kernels, bit for bit. Two chains of element-wise ops run fused, with
+  the eager chains' bits: Llama-form RMSNorms (their squares in one kernel, torch's own mean, the
+  scaling in one more) and Llama's rotary embedding (tbik.apply_rope); and SDPA under a mask
+  reads grouped key/value heads in place, its mask made additive once per forward
+  (stock_attention.py).
 - bi: batch-invariant. Every matmul (aten mm/addmm), log-softmax and last-dim mean goes to
   tbik's fixed-configuration kernels, attention to tbik's attention (fixed KV blocks counted
   from each sequence's first real token). Row-parallel layers still sum their bf16 outputs
@@ -27,8 +29,9 @@ import torch
 
 from ..engines.source import same_code
 from .experts import invariant_experts, is_experts, unsupported_reason
-from .plan import attention_refusal
+from . import stock_attention
 from .forwards import replaced_forwards
+from .plan import attention_refusal
 
 # TP styles whose forward tbik can take over or leave alone without changing invariance.
 _COLUMN = {"colwise", "colwise_rep", "colwise_gather_output", "packed_colwise"}  # K whole: the aten override covers them
@@ -323,13 +326,24 @@ def _attention_impl(model: torch.nn.Module, name: str) -> Iterator[None]:
 
 
 @contextmanager
+def _stock_sdpa(model: torch.nn.Module) -> Iterator[None]:
+    if model.config._attn_implementation != "sdpa":
+        yield
+        return
+    stock_attention.register()
+    with _attention_impl(model, stock_attention.STOCK_ATTENTION), stock_attention.masks_per_forward(model):
+        yield
+
+
+@contextmanager
 def kernel_mode(hfm, mode: str, fused: bool = True) -> Iterator[None]:
     """Run the body with the cell's kernels; the model is back to transformers' own afterwards.
-    fused=False leaves the RMSNorms and the rotary embedding to transformers' own ops (the
-    same bits, more kernels): what the fused ops are timed and tested against."""
+    fused=False leaves the RMSNorms, the rotary embedding and stock's SDPA to transformers' own
+    ops (the same bits, more kernels): what the fused ops are timed and tested against."""
     rope = _fused_rope(hfm.model) if fused else nullcontext()
     if mode == "stock":
-        with replaced_forwards(_stock_norms(hfm.model) if fused else []), rope:
+        with replaced_forwards(_stock_norms(hfm.model) if fused else []), rope, \
+                (_stock_sdpa(hfm.model) if fused else nullcontext()):
             yield
         return
     if mode not in ("bi", "tbik"):
