@@ -615,3 +615,4 @@ def test_key_bounds_are_made_once_per_forward(tiny):
         tiny.model.base_model(input_ids=torch.ones(1, 2, dtype=torch.long))  # the next forward begins
         assert kernelmodes._key_bounds(mask, query)[1].tolist() == [5, 5]
     assert not kernelmodes._BOUNDS
+
