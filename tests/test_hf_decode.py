@@ -616,3 +616,22 @@ def test_key_bounds_are_made_once_per_forward(tiny):
         assert kernelmodes._key_bounds(mask, query)[1].tolist() == [5, 5]
     assert not kernelmodes._BOUNDS
 
+
+
+def test_stock_mode_moves_only_the_sdpa_parts_of_a_model_to_its_attention():
+    """A part of the model on another attention (eager here) keeps it in the stock mode: the
+    in-place SDPA keeps SDPA's bits, not eager's."""
+    from repaudit.run import stock_attention
+
+    tiny = hf.load(str(builtin.ensure("builtin:tiny-qwen3")), dtype="float32", device="cpu", tp=1, stop_ids=(), pad_id=0)
+    attn = tiny.model.model.layers[0].self_attn
+    assert tiny.model.config._attn_implementation == "sdpa"
+    with kernel_mode(tiny, "stock"):
+        assert attn.config._attn_implementation == stock_attention.STOCK_ATTENTION
+    assert attn.config._attn_implementation == "sdpa"
+    tiny.model.config._attn_implementation = "eager"
+    try:
+        with kernel_mode(tiny, "stock"):
+            assert attn.config._attn_implementation == "eager"
+    finally:
+        tiny.model.config._attn_implementation = "sdpa"

@@ -313,8 +313,11 @@ def _fused_rope(model: torch.nn.Module) -> Iterator[None]:
 
 
 @contextmanager
-def _attention_impl(model: torch.nn.Module, name: str) -> Iterator[None]:
-    configs = {id(c): c for c in [model.config, *(getattr(m, "config", None) for m in model.modules())] if c is not None}
+def _attention_impl(model: torch.nn.Module, name: str, replacing: str | None = None) -> Iterator[None]:
+    """Every config of the model on attention `name` for the body (only those on `replacing`,
+    where given), then back."""
+    configs = {id(c): c for c in [model.config, *(getattr(m, "config", None) for m in model.modules())]
+               if c is not None and (replacing is None or getattr(c, "_attn_implementation", None) == replacing)}
     before = {k: c._attn_implementation for k, c in configs.items()}
     for c in configs.values():
         c._attn_implementation = name
@@ -327,11 +330,11 @@ def _attention_impl(model: torch.nn.Module, name: str) -> Iterator[None]:
 
 @contextmanager
 def _stock_sdpa(model: torch.nn.Module) -> Iterator[None]:
-    if model.config._attn_implementation != "sdpa":
-        yield
-        return
+    """The layers on transformers' SDPA run stock_attention's; a part of the model on another
+    attention (a vision tower on eager, ...) keeps it."""
     stock_attention.register()
-    with _attention_impl(model, stock_attention.STOCK_ATTENTION), stock_attention.masks_per_forward(model):
+    with _attention_impl(model, stock_attention.STOCK_ATTENTION, replacing="sdpa"), \
+            stock_attention.masks_per_forward(model):
         yield
 
 
