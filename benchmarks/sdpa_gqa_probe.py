@@ -14,28 +14,21 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+from pathlib import Path
 
-import torch
-import torch.nn.functional as F
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "kernels")]
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from benchmarks.attention_bench import event_us  # noqa: E402
 
 
 def repeat_kv(x: torch.Tensor, n: int) -> torch.Tensor:
     b, h, s, d = x.shape
     return x[:, :, None].expand(b, h, n, s, d).reshape(b, h * n, s, d)
-
-
-def event_us(fn, reps: int = 30) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000)
-    return sorted(times)[len(times) // 2]
 
 
 def kernels(fn) -> list[str]:
@@ -74,7 +67,7 @@ def case(batch: int, queries: int, slots: int, filled: int, gen: torch.Generator
     for name, fn in runs.items():
         out = fn()
         row[name] = {"equal": bool(torch.equal(out.view(torch.int16), ref.view(torch.int16))),
-                     "us": round(event_us(fn), 2), "kernels": kernels(fn)}
+                     "us": round(event_us(fn, reps=30), 2), "kernels": kernels(fn)}
     return row
 
 

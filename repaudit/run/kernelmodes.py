@@ -3,8 +3,7 @@
 - stock: transformers' own kernels, bit for bit. Two chains of element-wise ops run fused, with
   the eager chains' bits: Llama-form RMSNorms (their squares in one kernel, torch's own mean, the
   scaling in one more) and Llama's rotary embedding (tbik.apply_rope); and SDPA under a mask
-  reads grouped key/value heads in place, its mask made additive once per forward
-  (stock_attention.py).
+  reads grouped key/value heads in place (stock_attention.py).
 - bi: batch-invariant. Every matmul (aten mm/addmm), log-softmax and last-dim mean goes to
   tbik's fixed-configuration kernels, attention to tbik's attention (fixed KV blocks counted
   from each sequence's first real token). Row-parallel layers still sum their bf16 outputs
@@ -333,8 +332,7 @@ def _stock_sdpa(model: torch.nn.Module) -> Iterator[None]:
     """The layers on transformers' SDPA run stock_attention's; a part of the model on another
     attention (a vision tower on eager, ...) keeps it."""
     stock_attention.register()
-    with _attention_impl(model, stock_attention.STOCK_ATTENTION, replacing="sdpa"), \
-            stock_attention.masks_per_forward(model):
+    with _attention_impl(model, stock_attention.STOCK_ATTENTION, replacing="sdpa"):
         yield
 
 
