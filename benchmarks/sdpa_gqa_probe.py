@@ -1,8 +1,9 @@
 """Does torch's SDPA give the same bits when it reads a static cache's key/value heads directly
 (enable_gqa=True), with or without its boolean mask made additive beforehand, as when it reads
 them repeated to the query heads (transformers' repeat_kv, which it does whenever it passes a
-mask)? The first is what repaudit's stock attention relies on (repaudit/run/stock_attention.py). And does a decode step's attention keep its bits when
-the masked slots at the cache's end are left out? Qwen3-0.6B's heads (16 query, 8 key/value, 128
+mask)? The first, with the boolean mask, is what repaudit's stock attention relies on
+(repaudit/run/stock_attention.py). And does a decode step's attention keep its bits when the
+masked slots at the cache's end are left out? Qwen3-0.6B's heads (16 query, 8 key/value, 128
 wide), bf16, boolean masks with left padding as transformers builds them for a static cache.
 Prints one line per case: bitwise equal or not, each variant's CUDA-event microseconds, and the
 kernels each ran.
@@ -55,7 +56,8 @@ def case(batch: int, queries: int, slots: int, filled: int, gen: torch.Generator
     runs = {
         "repeated": lambda: F.scaled_dot_product_attention(q, kr, vr, attn_mask=mask),
         "gqa": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True),
-        # repaudit's stock attention: the grouped heads in place, the mask made additive beforehand
+        # repaudit's stock attention is "gqa": it passes the mask as transformers does, since SDPA's
+        # own conversion of a boolean mask fills with a backend- and version-dependent value
         "gqa-additive": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=additive, enable_gqa=True),
     }
     cut = -(-filled // 128) * 128
